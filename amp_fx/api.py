@@ -1,0 +1,161 @@
+"""``amp_fx.convert``: trace a model, decide every node's precision, insert casts.
+
+``convert`` never mutates the model it is given.  At O0 and O1 the
+converted module shares the model's parameters (training it trains the
+model); at O2 and O3 it owns low-precision copies, and the model's own fp32
+parameters become the master weights (``converted.amp_fx_masters``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from amp_fx.config import AmpConfig, make_config
+from amp_fx.errors import AlreadyConvertedError
+from amp_fx.graph_module import AmpGraphModule
+from amp_fx.pass_manager import PassContext
+from amp_fx.pipeline import rewrite_graph
+from amp_fx.policy import Policy
+from amp_fx.tracing import trace_model
+
+__all__ = ["convert"]
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"amp_fx.convert expects a torch.nn.Module, got {type(model).__name__}. "
+            "Wrap a function in an nn.Module whose forward calls it."
+        )
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.device.type == "meta":
+            raise ValueError(
+                "the model has parameters on the meta device (no data to cast). "
+                "Materialise it first (model.to_empty(device=...) and load its weights), then convert."
+            )
+
+
+def _copy_missing_state(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Give ``gm`` every parameter and buffer of ``model`` (unused ones too) so state_dict keys match."""
+    present = set(gm.state_dict().keys())
+    for name, tensor in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        if name in present:
+            continue
+        owner_path, _, leaf = name.rpartition(".")
+        owner = gm
+        for atom in owner_path.split(".") if owner_path else ():
+            if not hasattr(owner, atom):
+                owner.add_module(atom, nn.Module())
+            owner = getattr(owner, atom)
+        if isinstance(tensor, nn.Parameter):
+            owner.register_parameter(leaf, tensor)
+        else:
+            source = model.get_submodule(owner_path) if owner_path else model
+            owner.register_buffer(leaf, tensor, persistent=leaf not in source._non_persistent_buffers_set)
+    for module_name, module in model.named_modules():
+        for leaf in module._non_persistent_buffers_set:
+            try:
+                target = gm.get_submodule(module_name) if module_name else gm
+            except AttributeError:
+                continue
+            target._non_persistent_buffers_set.add(leaf)
+
+
+def _reconvert(model: AmpGraphModule, config: AmpConfig) -> AmpGraphModule:
+    """Converting a converted module: same config changes nothing; another config is refused."""
+    previous: AmpConfig = model.amp_config
+    if previous != config:
+        raise AlreadyConvertedError(
+            f"this module was already converted at {previous.level} ({previous.low_dtype}); converting it again "
+            f"at {config.level} ({config.low_dtype}) would stack casts. Convert the original model instead."
+        )
+    result = copy.copy(model)
+    report = copy.deepcopy(model.amp_report)
+    report.notes.append("already converted with this configuration: nothing changed")
+    result.amp_report = report
+    return result
+
+
+def convert(
+    model: nn.Module,
+    level: str = "O1",
+    *,
+    dtype: Union[None, str, torch.dtype] = None,
+    example_inputs: Optional[Sequence[Any]] = None,
+    example_kwarg_inputs: Optional[Mapping[str, Any]] = None,
+    policy: Union[None, Policy, Mapping] = None,
+    keep_batchnorm_fp32: Optional[bool] = None,
+    cast_model_outputs: Optional[torch.dtype] = None,
+    leaf_modules: Sequence[Union[type, str]] = (),
+    on_unknown_op: str = "follow",
+    allow_banned: bool = False,
+    minimize_casts: Optional[bool] = None,
+    pad_gemm: Union[None, str, bool] = None,
+) -> AmpGraphModule:
+    """Return ``model`` rewritten for mixed precision at Apex level ``level`` (O0-O3).
+
+    Args:
+        model: the module to convert; it is never mutated.
+        level: ``"O0"`` (unchanged, fp32), ``"O1"`` (op tables decide; fp32
+            parameters cast once per forward), ``"O2"`` (low parameters and
+            graph, norms fp32, fp32 master weights), ``"O3"`` (everything low).
+        dtype: the low dtype; None picks float16 for a CUDA model and
+            bfloat16 otherwise.
+        example_inputs / example_kwarg_inputs: optional; give every node an
+            exact dtype and shape (FakeTensor propagation) and enable the
+            ``torch.export`` route for models fx cannot trace.
+        policy: overrides (an :class:`amp_fx.Policy` or a dict such as
+            ``{"module:decoder.head": "fp32", "op:softmax": "low"}``).
+        keep_batchnorm_fp32, cast_model_outputs, minimize_casts, pad_gemm:
+            override the level's preset.
+        leaf_modules: module types or names to keep whole (not traced into).
+        on_unknown_op: ``"follow"`` (default), ``"fp32"`` or ``"error"`` for
+            ops in no table.
+        allow_banned: run banned ops (``binary_cross_entropy``) in fp32
+            instead of raising.
+
+    The result is an :class:`AmpGraphModule` with ``amp_report`` (every
+    decision and why) and ``amp_config``.
+    """
+    _check_model(model)
+    config = make_config(
+        level, dtype=dtype, keep_batchnorm_fp32=keep_batchnorm_fp32, cast_model_outputs=cast_model_outputs,
+        on_unknown_op=on_unknown_op, allow_banned=allow_banned, minimize_casts=minimize_casts, pad_gemm=pad_gemm,
+    ).with_dtype_for(model)
+    policy = Policy.coerce(policy)
+    if isinstance(model, AmpGraphModule) and hasattr(model, "amp_config"):
+        return _reconvert(model, config)
+    policy.validate_against([name for name, _ in model.named_modules()])
+
+    owns_params = config.cast_params
+    source = copy.deepcopy(model) if owns_params else model
+    gm, route = trace_model(
+        source, leaf_modules=leaf_modules,
+        example_inputs=tuple(example_inputs) if example_inputs is not None else None,
+        example_kwarg_inputs=dict(example_kwarg_inputs) if example_kwarg_inputs else None,
+    )
+    _copy_missing_state(gm, source)
+    ctx = PassContext(config=config, policy=policy,
+                      example_inputs=tuple(example_inputs) if example_inputs is not None else None,
+                      example_kwarg_inputs=dict(example_kwarg_inputs) if example_kwarg_inputs else None,
+                      route=route)
+    notes = []
+    if route == "torch.export":
+        notes.append("traced with torch.export: the module's train/eval mode at conversion is part of the graph")
+    gm, report = rewrite_graph(gm, ctx, own_params=owns_params, notes=notes)
+
+    result = AmpGraphModule(gm, gm.graph, type(model).__name__)
+    _copy_missing_state(result, gm)
+    result.train(model.training)
+    result.amp_report = report
+    result.amp_config = config
+    result.amp_fx_source_dtypes = dict(ctx.extra.get("source_dtypes", {}))
+    if config.master_weights and owns_params:
+        originals = dict(model.named_parameters())
+        result.amp_fx_masters = {name: originals[name] for name, _ in result.named_parameters() if name in originals}
+    return result

@@ -1,0 +1,143 @@
+"""The frozen conversion config: Apex's levels O0-O3 and their overrides.
+
+A level is a preset of properties; every property can be overridden by
+keyword.  Precedence: explicit keyword > level preset.  ``dtype=None`` is
+resolved by :func:`resolve_dtype` from the model's device (float16 on CUDA,
+bfloat16 on CPU, as autocast does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+__all__ = ["AmpConfig", "LEVELS", "make_config", "parse_dtype", "resolve_dtype"]
+
+LEVELS = ("O0", "O1", "O2", "O3")
+
+# How ops get their precision at each level.
+#   "none":   graph unchanged
+#   "tables": allow / deny / promote tables decide (O1)
+#   "all_low": everything low except norms (O2, O3)
+_PRESETS: dict[str, dict[str, Any]] = {
+    "O0": dict(op_mode="none", cast_params=False, keep_batchnorm_fp32=True,
+               master_weights=False, loss_scale=1.0, cast_model_outputs=None),
+    "O1": dict(op_mode="tables", cast_params=False, keep_batchnorm_fp32=True,
+               master_weights=False, loss_scale="dynamic", cast_model_outputs=None),
+    "O2": dict(op_mode="all_low", cast_params=True, keep_batchnorm_fp32=True,
+               master_weights=True, loss_scale="dynamic", cast_model_outputs=torch.float32),
+    "O3": dict(op_mode="all_low", cast_params=True, keep_batchnorm_fp32=False,
+               master_weights=False, loss_scale=1.0, cast_model_outputs=torch.float32),
+}
+
+_DTYPE_NAMES = {
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+_UNKNOWN_OP_MODES = ("follow", "fp32", "error")
+_PAD_MODES = ("auto", True, False)
+
+
+def parse_dtype(dtype: Union[None, str, torch.dtype], *, what: str = "dtype") -> Optional[torch.dtype]:
+    """Return the low-precision dtype named by ``dtype`` (None stays None); reject anything else."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype.lower()]
+    if dtype in (torch.float16, torch.bfloat16):
+        return dtype
+    raise ValueError(
+        f"{what}={dtype!r} is not a low-precision dtype. "
+        "Use torch.float16 or torch.bfloat16 (or the strings 'fp16' / 'bf16'); "
+        "leave it None to pick float16 on CUDA and bfloat16 on CPU."
+    )
+
+
+def resolve_dtype(dtype: Optional[torch.dtype], module: Optional[torch.nn.Module]) -> torch.dtype:
+    """Pick the low dtype: the explicit one, else float16 for a CUDA model and bfloat16 otherwise."""
+    if dtype is not None:
+        return dtype
+    if module is not None:
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            if tensor.device.type == "cuda":
+                return torch.float16
+            break
+    return torch.bfloat16
+
+
+@dataclass(frozen=True)
+class AmpConfig:
+    """Every property of a conversion, resolved from a level and overrides."""
+
+    level: str = "O1"
+    dtype: Optional[torch.dtype] = None
+    op_mode: str = "tables"
+    cast_params: bool = False
+    keep_batchnorm_fp32: bool = True
+    master_weights: bool = False
+    loss_scale: Union[float, str] = "dynamic"
+    cast_model_outputs: Optional[torch.dtype] = None
+    on_unknown_op: str = "follow"
+    allow_banned: bool = False
+    minimize_casts: bool = False
+    pad_gemm: Union[str, bool] = "auto"
+
+    @property
+    def low_dtype(self) -> torch.dtype:
+        """The resolved low dtype (bfloat16 when no model told otherwise)."""
+        return self.dtype or torch.bfloat16
+
+    def with_dtype_for(self, module: Optional[torch.nn.Module]) -> "AmpConfig":
+        """Return a copy with ``dtype`` resolved from ``module``'s device."""
+        return dataclasses.replace(self, dtype=resolve_dtype(self.dtype, module))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-serialisable dict (dtypes as their names)."""
+        out = dataclasses.asdict(self)
+        for key in ("dtype", "cast_model_outputs"):
+            if out[key] is not None:
+                out[key] = str(out[key]).replace("torch.", "")
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "AmpConfig":
+        """Rebuild a config written by :meth:`to_dict`."""
+        data = dict(data)
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown AmpConfig keys {sorted(unknown)}")
+        for key in ("dtype", "cast_model_outputs"):
+            if isinstance(data.get(key), str):
+                data[key] = getattr(torch, data[key])
+        return cls(**data)
+
+
+def make_config(level: str = "O1", **overrides: Any) -> AmpConfig:
+    """Build an :class:`AmpConfig` from a level and keyword overrides (None means "level default")."""
+    if not isinstance(level, str) or level.upper() not in LEVELS:
+        raise ValueError(
+            f"unknown level {level!r}: amp_fx knows Apex's levels {', '.join(LEVELS)} "
+            "(O0 = fp32, O1 = op tables, O2 = low params with fp32 masters, O3 = everything low)."
+        )
+    level = level.upper()
+    fields = {f.name for f in dataclasses.fields(AmpConfig)}
+    bad = sorted(set(overrides) - fields)
+    if bad:
+        raise TypeError(f"unknown conversion option(s) {bad}; valid options are {sorted(fields - {'level', 'op_mode'})}")
+    defaults = {f.name: f.default for f in dataclasses.fields(AmpConfig)}
+    settings = dict(defaults, **_PRESETS[level], level=level)
+    settings.update({k: v for k, v in overrides.items() if v is not None})
+    settings["dtype"] = parse_dtype(settings.get("dtype"))
+    if settings.get("cast_model_outputs") is not None and not isinstance(settings["cast_model_outputs"], torch.dtype):
+        raise ValueError(f"cast_model_outputs must be a torch.dtype or None, got {settings['cast_model_outputs']!r}")
+    if settings["on_unknown_op"] not in _UNKNOWN_OP_MODES:
+        raise ValueError(f"on_unknown_op must be one of {_UNKNOWN_OP_MODES}, got {settings['on_unknown_op']!r}")
+    if settings["pad_gemm"] not in _PAD_MODES:
+        raise ValueError(f"pad_gemm must be 'auto', True or False, got {settings['pad_gemm']!r}")
+    loss_scale = settings["loss_scale"]
+    if not (loss_scale == "dynamic" or isinstance(loss_scale, (int, float))):
+        raise ValueError(f"loss_scale must be a number or 'dynamic', got {loss_scale!r}")
+    return AmpConfig(**settings)

@@ -1,0 +1,243 @@
+"""Map any fx node to a canonical op name such as ``"linear"`` or ``"softmax"``.
+
+This is the one place that knows how the same op looks in different graphs:
+``torch.matmul``, ``x.matmul``, ``x @ y`` (``operator.matmul``) and
+``aten.matmul.default`` are all ``"matmul"``; ``nn.Linear`` as a leaf module,
+``F.linear`` (which Dynamo shows as ``torch._C._nn.linear``) and
+``aten.linear.default`` are all ``"linear"``.  Canonical names are the ATen
+names used by PyTorch's autocast op reference, so one table serves every graph.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+__all__ = ["canonical_op", "is_inplace", "CAST_OPS", "module_op_name"]
+
+# Ops that are themselves casts: they are never decided, only read.
+CAST_OPS = frozenset({"to", "type_as", "float", "half", "bfloat16", "double", "type", "_to_copy", "amp_cast"})
+
+# ATen spellings that mean the same op as a torch-level name.
+_ATEN_ALIASES = {
+    "_softmax": "softmax",
+    "_log_softmax": "log_softmax",
+    "native_layer_norm": "layer_norm",
+    "native_group_norm": "group_norm",
+    "native_batch_norm": "batch_norm",
+    "_native_batch_norm_legit": "batch_norm",
+    "_native_batch_norm_legit_no_training": "batch_norm",
+    "_native_batch_norm_legit_functional": "batch_norm",
+    "cudnn_batch_norm": "batch_norm",
+    "_batch_norm_with_update": "batch_norm",
+    "_batch_norm_no_update": "batch_norm",
+    "cross_entropy_loss": "cross_entropy",
+    "_to_copy": "to",
+    "_thnn_fused_lstm_cell": "lstm_cell",
+    "_thnn_fused_gru_cell": "gru_cell",
+    "_scaled_dot_product_flash_attention": "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention_for_cpu": "scaled_dot_product_attention",
+    "_scaled_dot_product_efficient_attention": "scaled_dot_product_attention",
+    "_scaled_dot_product_cudnn_attention": "scaled_dot_product_attention",
+    "_native_multi_head_attention": "multi_head_attention",
+    "grid_sampler_2d": "grid_sampler",
+    "grid_sampler_3d": "grid_sampler",
+    "_fused_rms_norm": "rms_norm",
+    "index_put_": "index_put",
+    "pow_": "pow",
+}
+
+# Python-level names (torch.nn.functional, torch.functional, Tensor methods)
+# whose canonical ATen name differs.
+_PY_ALIASES = {
+    "multi_head_attention_forward": "multi_head_attention",
+    "multi_dot": "linalg_multi_dot",
+    "vecdot": "linalg_vecdot",
+    "vector_norm": "linalg_vector_norm",
+    "matrix_norm": "linalg_matrix_norm",
+    "grid_sample": "grid_sampler",
+    "upsample": "interpolate",
+    "upsample_bilinear": "interpolate",
+    "upsample_nearest": "interpolate",
+    "__matmul__": "matmul",
+    "__rmatmul__": "matmul",
+    "__pow__": "pow",
+    "__rpow__": "pow",
+    "__rtruediv__": "rtruediv",
+    "__rdiv__": "rtruediv",
+    "true_divide": "div",
+    "binary_cross_entropy_with_logits": "binary_cross_entropy_with_logits",
+}
+
+_OPERATOR_NAMES = {
+    operator.matmul: "matmul",
+    operator.add: "add",
+    operator.iadd: "add",
+    operator.sub: "sub",
+    operator.isub: "sub",
+    operator.mul: "mul",
+    operator.imul: "mul",
+    operator.truediv: "div",
+    operator.itruediv: "div",
+    operator.floordiv: "floor_divide",
+    operator.pow: "pow",
+    operator.neg: "neg",
+    operator.getitem: "getitem",
+    operator.setitem: "setitem",
+    operator.mod: "remainder",
+    operator.eq: "eq",
+    operator.ne: "ne",
+    operator.lt: "lt",
+    operator.le: "le",
+    operator.gt: "gt",
+    operator.ge: "ge",
+    operator.and_: "bitwise_and",
+    operator.or_: "bitwise_or",
+    operator.xor: "bitwise_xor",
+    operator.invert: "bitwise_not",
+    operator.abs: "abs",
+}
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem}
+
+# Module types, most specific first where subclasses share a base.
+_MODULE_NAMES: list[tuple[type, Any]] = [
+    (nn.Linear, "linear"),
+    (nn.Bilinear, "bilinear"),
+    (nn.Conv1d, "conv1d"),
+    (nn.Conv2d, "conv2d"),
+    (nn.Conv3d, "conv3d"),
+    (nn.ConvTranspose1d, "conv_transpose1d"),
+    (nn.ConvTranspose2d, "conv_transpose2d"),
+    (nn.ConvTranspose3d, "conv_transpose3d"),
+    (nn.LayerNorm, "layer_norm"),
+    (nn.GroupNorm, "group_norm"),
+    (nn.modules.batchnorm._BatchNorm, "batch_norm"),
+    (nn.modules.instancenorm._InstanceNorm, "instance_norm"),
+    (nn.LSTM, "lstm"),
+    (nn.GRU, "gru"),
+    (nn.RNN, lambda m: "rnn_relu" if m.nonlinearity == "relu" else "rnn_tanh"),
+    (nn.LSTMCell, "lstm_cell"),
+    (nn.GRUCell, "gru_cell"),
+    (nn.RNNCell, lambda m: "rnn_relu_cell" if m.nonlinearity == "relu" else "rnn_tanh_cell"),
+    (nn.MultiheadAttention, "multi_head_attention"),
+    (nn.EmbeddingBag, "embedding_bag"),
+    (nn.Embedding, "embedding"),
+    (nn.PReLU, "prelu"),
+    (nn.Softmax, "softmax"),
+    (nn.LogSoftmax, "log_softmax"),
+    (nn.Softmin, "softmin"),
+    (nn.Softplus, "softplus"),
+    (nn.Upsample, "interpolate"),
+    (nn.CosineSimilarity, "cosine_similarity"),
+    (nn.CrossEntropyLoss, "cross_entropy"),
+    (nn.NLLLoss, "nll_loss"),
+    (nn.MSELoss, "mse_loss"),
+    (nn.L1Loss, "l1_loss"),
+    (nn.SmoothL1Loss, "smooth_l1_loss"),
+    (nn.HuberLoss, "huber_loss"),
+    (nn.KLDivLoss, "kl_div"),
+    (nn.BCELoss, "binary_cross_entropy"),
+    (nn.BCEWithLogitsLoss, "binary_cross_entropy_with_logits"),
+    (nn.PoissonNLLLoss, "poisson_nll_loss"),
+    (nn.CosineEmbeddingLoss, "cosine_embedding_loss"),
+    (nn.HingeEmbeddingLoss, "hinge_embedding_loss"),
+    (nn.MarginRankingLoss, "margin_ranking_loss"),
+    (nn.MultiLabelMarginLoss, "multilabel_margin_loss"),
+    (nn.MultiMarginLoss, "multi_margin_loss"),
+    (nn.SoftMarginLoss, "soft_margin_loss"),
+    (nn.TripletMarginLoss, "triplet_margin_loss"),
+    (nn.ReLU, "relu"),
+    (nn.ReLU6, "relu6"),
+    (nn.LeakyReLU, "leaky_relu"),
+    (nn.SiLU, "silu"),
+    (nn.GELU, "gelu"),
+    (nn.ELU, "elu"),
+    (nn.SELU, "selu"),
+    (nn.CELU, "celu"),
+    (nn.Hardswish, "hardswish"),
+    (nn.Hardsigmoid, "hardsigmoid"),
+    (nn.Hardtanh, "hardtanh"),
+    (nn.Dropout, "dropout"),
+    (nn.Identity, "identity"),
+    (nn.Flatten, "flatten"),
+]
+if hasattr(nn, "RMSNorm"):
+    _MODULE_NAMES.append((nn.RMSNorm, "rms_norm"))
+
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+
+
+def module_op_name(module: nn.Module) -> str:
+    """Return the canonical op name of a leaf module (``nn.Conv2d`` -> ``"conv2d"``).
+
+    torch.nn modules not in the map get their class name in snake_case
+    (``nn.GELU`` -> ``"gelu"``, ``nn.MaxPool2d`` -> ``"max_pool2d"``); user
+    modules get their qualified class name, which no table lists.
+    """
+    for module_type, name in _MODULE_NAMES:
+        if isinstance(module, module_type):
+            return name(module) if callable(name) else name
+    cls = type(module)
+    if cls.__module__.startswith("torch.nn"):
+        snake = _CAMEL.sub("_", cls.__name__).lower()
+        return snake.replace("pool", "_pool").replace("__", "_")
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _strip_inplace(name: str) -> tuple[str, bool]:
+    if name.endswith("_") and not name.endswith("__") and len(name) > 1:
+        return name[:-1], True
+    return name, False
+
+
+def _function_name(target: Callable, args: tuple) -> tuple[str, bool]:
+    if target in _OPERATOR_NAMES:
+        name = _OPERATOR_NAMES[target]
+        # 1 / x and 2 ** x: autocast lists __rtruediv__ and __rpow__ as fp32.
+        if name == "div" and args and not isinstance(args[0], fx.Node):
+            name = "rtruediv"
+        return name, target in _INPLACE_OPERATORS
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        raw = target._opname if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name.split("::")[-1]
+        if raw in _ATEN_ALIASES:
+            return _ATEN_ALIASES[raw], raw.endswith("_") and not raw.startswith("_")
+        name, inplace = _strip_inplace(raw)
+        return _ATEN_ALIASES.get(name, name), inplace
+    raw = getattr(target, "__name__", None) or type(target).__name__
+    name, inplace = _strip_inplace(raw)
+    return _PY_ALIASES.get(name, name), inplace
+
+
+def _resolve(node: fx.Node, root: Optional[nn.Module]) -> tuple[Optional[str], bool]:
+    if node.op == "call_function":
+        name, inplace = _function_name(node.target, node.args)
+        # Dynamo wraps the casts it sees; amp_fx's own cast helper is a cast.
+        if getattr(node.target, "_amp_fx_cast", False):
+            return "amp_cast", False
+        return name, inplace or node.kwargs.get("inplace", False) is True
+    if node.op == "call_method":
+        name, inplace = _strip_inplace(str(node.target))
+        return _PY_ALIASES.get(name, name), inplace
+    if node.op == "call_module" and root is not None:
+        module = root.get_submodule(str(node.target))
+        return module_op_name(module), bool(getattr(module, "inplace", False))
+    return None, False
+
+
+def canonical_op(node: fx.Node, root: Optional[nn.Module] = None) -> Optional[str]:
+    """Return the canonical op name of ``node``, or None for placeholders, get_attr and output.
+
+    ``root`` is the module that owns the graph; it is needed to resolve
+    ``call_module`` nodes to their module type.
+    """
+    return _resolve(node, root)[0]
+
+
+def is_inplace(node: fx.Node, root: Optional[nn.Module] = None) -> bool:
+    """Return True when ``node`` writes into its first argument (``x.exp_()``, ``relu(inplace=True)``)."""
+    return _resolve(node, root)[1]

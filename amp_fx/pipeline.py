@@ -1,0 +1,41 @@
+"""The pass pipeline a level asks for, shared by ``convert()`` and the compiler backend."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.fx as fx
+
+from amp_fx.config import AmpConfig
+from amp_fx.pass_manager import AmpPass, PassContext, run_passes
+from amp_fx.report import ConversionReport, build_report
+from amp_fx.passes.assign_precision import assign_precision
+from amp_fx.passes.cast_params import cast_params
+from amp_fx.passes.dedupe_casts import dedupe_casts
+from amp_fx.passes.fold_casts import fold_casts
+from amp_fx.passes.insert_casts import insert_casts
+from amp_fx.passes.propagate_meta import propagate_meta
+
+__all__ = ["build_pipeline", "rewrite_graph"]
+
+
+def build_pipeline(config: AmpConfig, *, own_params: bool) -> list[AmpPass]:
+    """The passes for ``config``: analyses first, then rewrites.
+
+    ``own_params`` says whether the graph module owns its parameters (O2/O3
+    under ``convert()``); a compiler backend never does.
+    """
+    if config.op_mode == "none":
+        return [propagate_meta]
+    pipeline: list[AmpPass] = [propagate_meta, assign_precision]
+    if config.cast_params and own_params:
+        pipeline.append(cast_params)
+    pipeline += [insert_casts, dedupe_casts, fold_casts]
+    return pipeline
+
+
+def rewrite_graph(gm: fx.GraphModule, ctx: PassContext, *, own_params: bool, notes: Optional[list[str]] = None) -> tuple[fx.GraphModule, ConversionReport]:
+    """Run the level's pipeline on ``gm`` (in place) and build its report."""
+    gm = run_passes(gm, ctx, build_pipeline(ctx.config, own_params=own_params))
+    report = build_report(gm, level=ctx.config.level, dtype=ctx.low, route=ctx.route, passes=ctx.stats, notes=notes or [])
+    return gm, report

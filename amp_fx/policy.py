@@ -1,0 +1,171 @@
+"""User overrides of the op tables: by module name, module type, or op.
+
+Precedence, highest first (resolved once per node by :meth:`Policy.decide`):
+
+1. module name: exact names first, then glob / regex patterns in the order
+   they were registered.  A name matches a node when it names the module the
+   node came from *or any module enclosing it*, so pinning ``"decoder.head"``
+   pins every op inside ``decoder.head``.
+2. module type (``nn.LayerNorm``), matched against every enclosing module.
+3. op: a canonical name (``"softmax"``) or the callable itself (``torch.softmax``).
+4. the level's tables (not handled here).
+
+Build one with the methods, or from a dict::
+
+    Policy().set_module_name("decoder.head", "fp32").set_op("softmax", "low")
+    Policy.from_dict({"module:decoder.head": "fp32", "op:softmax": "low",
+                      "module:blocks.*.attn": "fp32", "module_re:blocks\\.[0-3]\\.": "fp32",
+                      nn.LayerNorm: "low", torch.exp: "follow"})
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+
+import torch.nn as nn
+
+__all__ = ["Policy", "DECISIONS", "PolicyRule"]
+
+# What a rule can say about a node.
+DECISIONS = ("low", "fp32", "follow", "promote")
+
+
+@dataclass(frozen=True)
+class PolicyRule:
+    """One override: what it matches, the decision, and how the report names it."""
+
+    kind: str  # "module", "module_glob", "module_re", "type", "op"
+    key: Any
+    decision: str
+
+    def describe(self) -> str:
+        """Human-readable form for the report, e.g. ``policy module 'decoder.head' -> fp32``."""
+        key = self.key.__name__ if isinstance(self.key, type) or callable(self.key) else self.key
+        if isinstance(key, re.Pattern):
+            key = key.pattern
+        return f"policy {self.kind} {key!r} -> {self.decision}"
+
+
+def _check_decision(decision: str) -> str:
+    if decision not in DECISIONS:
+        raise ValueError(f"unknown policy decision {decision!r}; use one of {DECISIONS}")
+    return decision
+
+
+@dataclass
+class Policy:
+    """An ordered set of precision overrides (see module docstring for precedence)."""
+
+    rules: list[PolicyRule] = field(default_factory=list)
+
+    # -- building ---------------------------------------------------------
+    def set_module_name(self, name: str, decision: str) -> "Policy":
+        """Pin every op inside the module ``name``; ``*``/``?``/``[`` make it a glob."""
+        kind = "module_glob" if any(ch in name for ch in "*?[") else "module"
+        self.rules.append(PolicyRule(kind, name, _check_decision(decision)))
+        return self
+
+    def set_module_name_regex(self, pattern: str, decision: str) -> "Policy":
+        """Pin every op inside modules whose full name matches the regex ``pattern``."""
+        self.rules.append(PolicyRule("module_re", re.compile(pattern), _check_decision(decision)))
+        return self
+
+    def set_module_type(self, module_type: type, decision: str) -> "Policy":
+        """Pin every op inside modules of ``module_type`` (subclasses included)."""
+        if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+            raise TypeError(f"set_module_type expects an nn.Module subclass, got {module_type!r}")
+        self.rules.append(PolicyRule("type", module_type, _check_decision(decision)))
+        return self
+
+    def set_op(self, op: Union[str, Callable], decision: str) -> "Policy":
+        """Decide an op by canonical name or by the callable itself (adds custom ops to a table)."""
+        if not (isinstance(op, str) or callable(op)):
+            raise TypeError(f"set_op expects a canonical op name or a callable, got {op!r}")
+        self.rules.append(PolicyRule("op", op, _check_decision(decision)))
+        return self
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[Any, str]) -> "Policy":
+        """Build from ``{"module:NAME" | "module_re:REGEX" | "op:NAME" | Module type | callable: decision}``."""
+        policy = cls()
+        for key, decision in mapping.items():
+            if isinstance(key, type) and issubclass(key, nn.Module):
+                policy.set_module_type(key, decision)
+            elif callable(key) and not isinstance(key, str):
+                policy.set_op(key, decision)
+            elif isinstance(key, str) and ":" in key:
+                prefix, _, rest = key.partition(":")
+                if prefix == "module":
+                    policy.set_module_name(rest, decision)
+                elif prefix == "module_re":
+                    policy.set_module_name_regex(rest, decision)
+                elif prefix == "op":
+                    policy.set_op(rest, decision)
+                else:
+                    raise ValueError(
+                        f"unknown policy key {key!r}: prefix {prefix!r} is not one of "
+                        "'module:', 'module_re:', 'op:' (or pass an nn.Module type or a callable as the key)"
+                    )
+            else:
+                raise ValueError(
+                    f"unknown policy key {key!r}: write 'module:NAME', 'module_re:REGEX' or 'op:NAME', "
+                    "or pass an nn.Module type or a callable as the key"
+                )
+        return policy
+
+    @classmethod
+    def coerce(cls, policy: Union[None, "Policy", Mapping]) -> "Policy":
+        """Accept None, a Policy, or a dict for it."""
+        if policy is None:
+            return cls()
+        if isinstance(policy, Policy):
+            return policy
+        if isinstance(policy, Mapping):
+            return cls.from_dict(policy)
+        raise TypeError(f"policy must be an amp_fx.Policy or a dict, got {type(policy).__name__}")
+
+    # -- checking ---------------------------------------------------------
+    def validate_against(self, module_names: Sequence[str]) -> None:
+        """Raise if an exact or glob module rule names no module of the model (with close matches)."""
+        names = [n for n in module_names if n]
+        for rule in self.rules:
+            if rule.kind == "module" and rule.key not in names:
+                close = difflib.get_close_matches(rule.key, names, n=3, cutoff=0.5)
+                hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+                raise ValueError(
+                    f"policy names module {rule.key!r}, which the model does not have.{hint} "
+                    "Module names are those of model.named_modules()."
+                )
+            if rule.kind == "module_glob" and not any(fnmatch.fnmatchcase(n, rule.key) for n in names):
+                raise ValueError(f"policy pattern {rule.key!r} matches no module of the model")
+
+    # -- deciding ---------------------------------------------------------
+    def decide(self, op: Optional[str], target: Any, module_stack: Iterable[tuple[str, type]]) -> Optional[PolicyRule]:
+        """Return the rule that decides a node, or None when the tables decide.
+
+        ``module_stack`` lists (qualified name, type) of the enclosing modules,
+        innermost first.
+        """
+        if not self.rules:
+            return None
+        stack = list(module_stack)
+        names = [name for name, _ in stack]
+        for rule in self.rules:
+            if rule.kind == "module" and rule.key in names:
+                return rule
+        for rule in self.rules:
+            if rule.kind == "module_glob" and any(fnmatch.fnmatchcase(n, rule.key) for n in names):
+                return rule
+            if rule.kind == "module_re" and any(rule.key.search(n) for n in names):
+                return rule
+        for rule in self.rules:
+            if rule.kind == "type" and any(issubclass(t, rule.key) for _, t in stack if isinstance(t, type)):
+                return rule
+        for rule in self.rules:
+            if rule.kind == "op" and (rule.key == op if isinstance(rule.key, str) else rule.key is target):
+                return rule
+        return None

@@ -1,0 +1,168 @@
+"""Turn a model into a GraphModule: symbolic tracing first, torch.export second.
+
+The tracer records, for every node, the qualified name and type of each
+module it came from (``node.meta["nn_module_stack"]``) and the user source
+line (``node.meta["stack_trace"]``).  It traces *through* torch.nn modules
+that are pure functions of their parameters (Linear, Conv, LayerNorm, ...),
+so their weights appear as ``get_attr`` nodes whose casts the passes can see
+and share, and keeps as leaves the modules whose behaviour depends on
+``self.training`` or that fx cannot trace (BatchNorm, Dropout, RNNs,
+MultiheadAttention), plus any the user names.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from amp_fx.casts import HELPERS
+
+__all__ = ["AmpTracer", "AmpTraceError", "trace_model", "DEFAULT_LEAF_TYPES", "module_stack_of", "user_frame"]
+
+# Modules kept whole: their forward reads self.training (tracing would freeze
+# train or eval mode into the graph) or is not symbolically traceable.
+DEFAULT_LEAF_TYPES: tuple[type, ...] = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.modules.dropout._DropoutNd,
+    nn.AlphaDropout,
+    nn.RReLU,
+    nn.RNNBase,
+    nn.RNNCellBase,
+    nn.MultiheadAttention,
+)
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_AMP_FX_DIR = os.path.dirname(__file__)
+_TRACE_LOCK = threading.Lock()
+
+
+class AmpTraceError(RuntimeError):
+    """The model could not be turned into a graph; the message says where and what to do."""
+
+
+class AmpTracer(fx.Tracer):
+    """fx tracer that records module scope and source lines and honours user leaf modules."""
+
+    def __init__(self, leaf_modules: Iterable[Union[type, str]] = ()):
+        super().__init__(autowrap_functions=HELPERS)
+        self.record_stack_traces = True
+        leaves = tuple(leaf_modules)
+        self.leaf_types = tuple(t for t in leaves if isinstance(t, type))
+        self.leaf_names = frozenset(n for n in leaves if isinstance(n, str))
+        bad = [leaf for leaf in leaves if not isinstance(leaf, (type, str))]
+        if bad:
+            raise TypeError(f"leaf_modules takes module types or qualified module names, got {bad!r}")
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.leaf_names or isinstance(m, self.leaf_types):
+            return True
+        return isinstance(m, DEFAULT_LEAF_TYPES)
+
+
+def user_frame(stack_trace: Optional[str]) -> Optional[str]:
+    """Return ``"file:line in fn: code"`` for the innermost frame outside torch and amp_fx."""
+    if not stack_trace:
+        return None
+    lines = stack_trace.strip().splitlines()
+    best = None
+    for i, line in enumerate(lines):
+        line = line.strip()
+        if not line.startswith("File "):
+            continue
+        try:
+            path = line.split('"')[1]
+        except IndexError:
+            continue
+        if path.startswith(_TORCH_DIR) or path.startswith(_AMP_FX_DIR):
+            continue
+        code = lines[i + 1].strip() if i + 1 < len(lines) and not lines[i + 1].strip().startswith("File ") else ""
+        where = line.replace("File ", "").replace('"', "").replace(", line ", ":").replace(", in ", " in ")
+        best = f"{where}: {code}" if code else where
+    return best
+
+
+def module_stack_of(node: fx.Node) -> list[tuple[str, Any]]:
+    """Return (qualified name, type) of the modules enclosing ``node``, innermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    out = []
+    for key, value in stack.items():
+        path, module_type = value if isinstance(value, tuple) else (key, None)
+        out.append((_clean_path(str(path)), module_type))
+    return out[::-1]
+
+
+def _clean_path(path: str) -> str:
+    # torch.export writes paths as "L['self'].layers[0].attn" or "layers.0.attn".
+    for prefix in ("L['self'].", "L['self']"):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+    return path.replace("[", ".").replace("]", "").replace("'", "")
+
+
+def _symbolic_trace(model: nn.Module, tracer: AmpTracer) -> fx.GraphModule:
+    graph = tracer.trace(model)
+    name = model.__class__.__name__ if isinstance(model, nn.Module) else "Graph"
+    return fx.GraphModule(tracer.root, graph, name)
+
+
+def _export_trace(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    program = torch.export.export(model, args, kwargs, strict=False)
+    return program.module()
+
+
+def _describe_failure(error: BaseException, tracer: AmpTracer) -> str:
+    frames = traceback.extract_tb(error.__traceback__)
+    user = [f for f in frames if not f.filename.startswith(_TORCH_DIR) and not f.filename.startswith(_AMP_FX_DIR)]
+    where = f"{user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else "unknown source line"
+    scope = list(getattr(tracer, "module_stack", {}) or {})
+    module = scope[-1] if scope and scope[-1] else "<root module>"
+    return f"{type(error).__name__}: {error}\n  in module {module!r}\n  at {where}"
+
+
+def trace_model(
+    model: nn.Module,
+    *,
+    leaf_modules: Sequence[Union[type, str]] = (),
+    example_inputs: Optional[tuple] = None,
+    example_kwarg_inputs: Optional[dict] = None,
+) -> tuple[fx.GraphModule, str]:
+    """Trace ``model``; return the GraphModule and the route taken ("symbolic_trace" or "torch.export").
+
+    Symbolic tracing is tried first.  When it fails and example inputs were
+    given, ``torch.export`` (non-strict) traces the model at the ATen level.
+    When neither works, :class:`AmpTraceError` says what failed, where, and
+    the ways out.
+    """
+    tracer = AmpTracer(leaf_modules)
+    try:
+        with _TRACE_LOCK:
+            return _symbolic_trace(model, tracer), "symbolic_trace"
+    except Exception as error:  # any tracing failure: report it with context below
+        symbolic_error = error
+        failure = _describe_failure(error, tracer)
+    if example_inputs is not None or example_kwarg_inputs is not None:
+        try:
+            return _export_trace(model, tuple(example_inputs or ()), dict(example_kwarg_inputs or {})), "torch.export"
+        except Exception as error:
+            raise AmpTraceError(
+                f"amp_fx could not trace {type(model).__name__}.\n"
+                f"symbolic_trace failed: {failure}\n"
+                f"torch.export failed too: {type(error).__name__}: {error}\n"
+                "Ways out: mark the module that fails as a leaf (leaf_modules=[...]), "
+                "or compile the model with torch.compile(model, backend='amp_fx'), which handles "
+                "data-dependent Python through graph breaks."
+            ) from error
+    raise AmpTraceError(
+        f"amp_fx could not trace {type(model).__name__} with torch.fx.symbolic_trace.\n"
+        f"{failure}\n"
+        "Ways out: (1) leaf_modules=[TheModuleType or 'its.name'] keeps the failing module whole; "
+        "(2) example_inputs=(x, ...) lets amp_fx trace with torch.export instead; "
+        "(3) torch.compile(model, backend='amp_fx') converts whatever Dynamo captures."
+    ) from symbolic_error

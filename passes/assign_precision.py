@@ -1,0 +1,124 @@
+"""Analysis: paint every node with a precision decision and a human-readable reason.
+
+Decide first, rewrite second: this pass only writes ``amp_fx.decision``,
+``amp_fx.reason`` and ``amp_fx.rule``; ``insert_casts`` reads the paint.
+
+The algorithm, numbered as the DEBUG log lines are:
+
+1. Graph inputs: at O2/O3 floating inputs are cast low at entry ("entry").
+2. Casts the model itself writes (``x.float()``, ``.to(dtype)``) are kept ("cast").
+3. A policy rule (module name > module type > op) decides, if one matches.
+4. Otherwise the level decides: O1 looks the op up in the tables; O2/O3 run
+   everything low except normalisation (fp32 when ``keep_batchnorm_fp32``)
+   and pure data movement, which follows.
+5. Banned ops raise (or run fp32 with ``allow_banned=True``); unknown ops
+   follow, run fp32, or raise, as ``on_unknown_op`` says.
+6. In-place ops that the tables would cast cannot be cast in place: an
+   in-place fp32 op is rewritten out of place later ("fp32 (in-place made
+   safe)"), an in-place low op runs in its input's dtype, as autocast does.
+7. Graph outputs: cast to ``cast_model_outputs`` when set ("exit").
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.fx as fx
+
+from amp_fx import tables
+from amp_fx.errors import BannedOpError, UnknownOpError
+from amp_fx.op_keys import CAST_OPS
+from amp_fx.pass_manager import PassContext, PassResult
+
+__all__ = ["assign_precision", "DECISION_KEY", "REASON_KEY"]
+
+DECISION_KEY = "amp_fx.decision"
+REASON_KEY = "amp_fx.reason"
+logger = logging.getLogger("amp_fx.passes.assign_precision")
+
+# Norm ops that compute statistics over their input (layer/group/rms norm):
+# they run fp32 under keep_batchnorm_fp32.  batch_norm and instance_norm
+# take low input with fp32 statistics, so they follow.
+_STAT_NORMS = frozenset({"layer_norm", "group_norm", "rms_norm"})
+_FOLLOWING_NORMS = frozenset({"batch_norm", "instance_norm"})
+
+
+def _where(node: fx.Node) -> str:
+    source = node.meta.get("amp_fx.source")
+    module = node.meta.get("amp_fx.module_path") or "<root>"
+    return f"node {node.name!r} in module {module!r}" + (f" at {source}" if source else "")
+
+
+def _level_decision(node: fx.Node, op: str, ctx: PassContext) -> tuple[str, str, str]:
+    """(decision, reason, rule) from the level's tables."""
+    config = ctx.config
+    category = tables.table_of(op)
+    if category == "banned":
+        if config.allow_banned:
+            return "fp32", f"banned op allowed in fp32 (allow_banned=True)", "banned"
+        raise BannedOpError(f"{tables.BANNED[op]}\n  ({_where(node)})")
+    if config.op_mode == "all_low":
+        level = config.level
+        if op in _STAT_NORMS and config.keep_batchnorm_fp32:
+            return "fp32", f"{level}: normalisation kept fp32 (keep_batchnorm_fp32=True)", "level"
+        if op in _FOLLOWING_NORMS:
+            return "follow", f"{level}: batch norm follows its input", "level"
+        if op in tables.DATA_MOVEMENT:
+            return "follow", f"{level}: data movement follows its input", "level"
+        return "low", f"{level}: whole graph in low precision", "level"
+    if category == "unknown":
+        mode = config.on_unknown_op
+        if mode == "error":
+            raise UnknownOpError(
+                f"op {op!r} is in no amp_fx table and on_unknown_op='error' ({_where(node)}). "
+                f"Decide it with policy={{'op:{op}': 'low' | 'fp32' | 'follow'}} or set on_unknown_op='follow'."
+            )
+        if mode == "fp32":
+            return "fp32", "unknown op: fp32 (on_unknown_op='fp32')", "unknown"
+        return "follow", "unknown op: follows its input (on_unknown_op='follow')", "unknown"
+    table = tables.all_tables()[category]
+    return category, f"{category}: {table[op]}", "table"
+
+
+def _decide(node: fx.Node, ctx: PassContext) -> tuple[str, str, str]:
+    config = ctx.config
+    if node.op == "placeholder":
+        if node.meta.get("amp_fx.param") is None and config.op_mode == "all_low" and node.meta.get("amp_fx.is_float") is not False:
+            return "entry", f"{config.level}: floating graph inputs cast low at entry", "level"
+        return "none", "graph input", "level"
+    if node.op == "get_attr":
+        return "none", "parameter or buffer" if node.meta.get("amp_fx.param") else "attribute", "level"
+    if node.op == "output":
+        if config.cast_model_outputs is not None:
+            return "exit", f"outputs cast to {str(config.cast_model_outputs).replace('torch.', '')} (cast_model_outputs)", "level"
+        return "none", "graph output", "level"
+    op = node.meta.get("amp_fx.op") or str(node.target)
+    if op in CAST_OPS:
+        return "cast", "explicit cast", "model"
+    rule = ctx.policy.decide(op, node.target, node.meta.get("amp_fx.module_stack") or [])
+    if rule is not None:
+        if op in tables.BANNED and rule.decision != "fp32" and not config.allow_banned:
+            raise BannedOpError(f"{tables.BANNED[op]}\n  ({_where(node)}; {rule.describe()} would run it {rule.decision})")
+        return rule.decision, rule.describe(), "policy"
+    return _level_decision(node, op, ctx)
+
+
+def assign_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Paint every node with ``amp_fx.decision`` / ``amp_fx.reason`` / ``amp_fx.rule``."""
+    counts: dict[str, int] = {}
+    unknown: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        decision, reason, rule = _decide(node, ctx)
+        if node.meta.get("amp_fx.inplace") and decision == "low":
+            decision, reason = "follow", "in-place op: runs in its input's dtype (autocast does not cast in-place ops)"
+        elif node.meta.get("amp_fx.inplace") and decision == "fp32":
+            reason = f"{reason} (in-place: computed out of place in fp32, written back)"
+        node.meta[DECISION_KEY] = decision
+        node.meta[REASON_KEY] = reason
+        node.meta["amp_fx.rule"] = rule
+        counts[decision] = counts.get(decision, 0) + 1
+        if rule == "unknown":
+            op = node.meta.get("amp_fx.op")
+            unknown[op] = unknown.get(op, 0) + 1
+        logger.debug("step %s: %s -> %s (%s)", "3" if rule == "policy" else "4", node.name, decision, reason)
+    return PassResult(gm, False, {"decisions": counts, "unknown_ops": unknown})

@@ -1,0 +1,78 @@
+"""Rewrite: share one cast per parameter by hoisting casts above views.
+
+``insert_casts`` already shares one cast per (value, dtype).  A weight used
+through a view (``w.t()``, ``w.view(...)``, ``w[0]``) is a different value,
+so it would get a second cast.  This pass rewrites ``cast(view(w))`` into
+``view(cast(w))`` when ``w`` is a parameter or is cast to that dtype anyway,
+so each parameter is cast at most once per forward and the views read the
+cast copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_arg
+
+from amp_fx import tables
+from amp_fx.cast_nodes import cast_source, cast_target, is_inserted_cast
+from amp_fx.pass_manager import PassContext, PassResult
+from amp_fx.passes.insert_casts import FLOAT_KEY, CastBuilder
+
+__all__ = ["dedupe_casts"]
+
+# Views with one tensor input: casting before or after them gives the same values.
+_HOISTABLE = frozenset({
+    "t", "transpose", "permute", "view", "reshape", "expand", "contiguous", "unsqueeze", "squeeze",
+    "flatten", "getitem", "select", "narrow", "detach", "view_as", "alias", "unflatten",
+}) & tables.DATA_MOVEMENT
+
+
+def _single_tensor_view(node: fx.Node) -> fx.Node | None:
+    """The tensor a view-like node reads, when it reads exactly one tensor."""
+    if node.meta.get("amp_fx.op") not in _HOISTABLE or not node.args:
+        return None
+    source = node.args[0]
+    others: list[fx.Node] = []
+    map_arg((node.args[1:], node.kwargs), others.append)
+    if not isinstance(source, fx.Node) or others:
+        return None
+    return source
+
+
+def _existing_casts(graph: fx.Graph) -> dict[tuple[fx.Node, torch.dtype], fx.Node]:
+    return {(cast_source(n), cast_target(n)): n for n in graph.nodes if is_inserted_cast(n)}
+
+
+def dedupe_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Hoist casts of views of parameters above the view (see module docstring)."""
+    graph = gm.graph
+    builder = CastBuilder(graph)
+    builder.cache.update(_existing_casts(graph))
+    hoisted = 0
+    changed = True
+    while changed:
+        changed = False
+        for cast in list(graph.nodes):
+            if cast.graph is not graph or not is_inserted_cast(cast):
+                continue
+            view = cast_source(cast)
+            source = _single_tensor_view(view) if view is not None else None
+            target = cast_target(cast)
+            if source is None or source.meta.get("amp_fx.is_float") is not True:
+                continue
+            if source.meta.get("amp_fx.param") is None and (source, target) not in builder.cache:
+                continue
+            source_cast = builder.cast(source, target)
+            with graph.inserting_before(cast):
+                new_view = graph.node_copy(view, lambda n: source_cast if n is source else n)
+            new_view.meta = dict(view.meta)
+            new_view.meta[FLOAT_KEY] = target
+            new_view.meta["amp_fx.reason"] = f"{view.meta.get('amp_fx.reason', '')}; reads the shared cast of {source.name}"
+            cast.replace_all_uses_with(new_view)
+            graph.erase_node(cast)
+            if not view.users:
+                graph.erase_node(view)
+            hoisted += 1
+            changed = True
+    return PassResult(gm, hoisted > 0, {"hoisted": hoisted, "casts_created": len(builder.created)})
