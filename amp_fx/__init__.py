@@ -13,7 +13,42 @@ from amp_fx.policy import Policy
 from amp_fx.report import ConversionReport, NodeRecord
 from amp_fx.tracing import AmpTraceError
 
-__all__ = [
+# Public names that live in modules with heavier imports (networkx, Dynamo,
+# the runtime): loaded on first use, so ``import amp_fx`` stays light.
+_LAZY = {
+    # runtime (amp_fx/runtime)
+    "LossScaler": "amp_fx.runtime",
+    "MasterWeightOptimizer": "amp_fx.runtime",
+    # Apex-style API
+    "initialize": "amp_fx.apex",
+    "scale_loss": "amp_fx.apex",
+    "state_dict": "amp_fx.apex",
+    "load_state_dict": "amp_fx.apex",
+    # compiler backend
+    "backend": "amp_fx.backend",
+    "last_report": "amp_fx.backend",
+    # views and debugging tools
+    "diff": "amp_fx.views",
+    "to_networkx": "amp_fx.views",
+    "draw": "amp_fx.views",
+    "summary": "amp_fx.views",
+    "find_overflow": "amp_fx.overflow",
+    "calibrate": "amp_fx.calibrate",
+}
+
+
+def __getattr__(name: str):
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'amp_fx' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [*_LAZY,
     "convert",
     "AmpConfig",
     "LEVELS",

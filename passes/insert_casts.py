@@ -249,7 +249,7 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     low = ctx.low
     promote_helpers = 0
     leaf_param_casts = 0
-    entry_casts: list[tuple[fx.Node, fx.Node]] = []
+    entry_casts: list[fx.Node] = []
     for node in list(gm.graph.nodes):
         if node.meta.get("amp_fx.inserted"):
             continue
@@ -258,7 +258,10 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             attr_dtype = node.meta.get("amp_fx.orig_dtype") if node.meta.get("amp_fx.is_float") else None
             node.meta[FLOAT_KEY] = attr_dtype if attr_dtype is not None and attr_dtype.is_floating_point else None
             if decision == "entry":
-                entry_casts.append((node, builder.cast(node, low)))
+                cast = builder.cast(node, low)
+                # Every later reader sees the entry cast, never the raw input.
+                node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+                entry_casts.append(cast)
             continue
         if node.op == "output":
             if decision == "exit":
@@ -284,8 +287,6 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         else:
             node.meta[FLOAT_KEY] = _follow_dtype(node)
         _infer_is_float(node)
-    for placeholder, cast in entry_casts:
-        placeholder.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
     created = builder.created
     weight_casts = sum(1 for c in created if c.meta.get("amp_fx.weight_cast"))
     return PassResult(

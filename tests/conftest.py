@@ -1,0 +1,15 @@
+"""Shared test set-up: make tests/zoo.py importable and seed every test."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
