@@ -1,0 +1,12 @@
+"""Training runtime: dynamic loss scaling and fp32 master weights."""
+
+from .loss_scaler import LossScaleCollapseError, LossScaler
+from .master_weights import MasterWeightOptimizer
+from .scaler_state import LossScalerStateError
+
+__all__ = [
+    "LossScaler",
+    "LossScaleCollapseError",
+    "LossScalerStateError",
+    "MasterWeightOptimizer",
+]

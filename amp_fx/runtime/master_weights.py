@@ -1,0 +1,290 @@
+"""fp32 master weights for a low-precision module (Apex O2), as an optimizer wrapper.
+
+The module that runs holds fp16/bf16 parameters; updating them directly loses
+small updates to rounding. :class:`MasterWeightOptimizer` lets the wrapped
+optimizer step fp32 "master" copies instead and copies them back after every
+step::
+
+    mw = MasterWeightOptimizer(torch.optim.AdamW(model.parameters()), gm)
+    scaler = LossScaler()
+    for x, y in data:
+        mw.zero_grad()
+        scaler.scale(loss_fn(gm(x), y)).backward()
+        scaler.unscale_(mw)                                   # optional: clip
+        torch.nn.utils.clip_grad_norm_(mw.master_parameters(), 1.0)
+        scaler.step(mw)
+        scaler.update()
+
+How it cooperates with :class:`~amp_fx.runtime.LossScaler`: the scaler calls
+``_sync_grads_to_masters()`` before it checks/unscales an optimizer's
+gradients, so it unscales the fp32 master grads (no fp16 underflow on unscale);
+``step()`` syncs only if nobody did this iteration (so clipped master grads are
+not overwritten); on a skipped step the scaler calls ``_discard_synced_grads()``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+__all__ = ["MasterWeightOptimizer"]
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+class MasterWeightOptimizer(torch.optim.Optimizer):
+    """Step fp32 master copies of a low-precision module's parameters, then copy them back.
+
+    Args:
+        optimizer: built over the fp32 masters, or over the module's own
+            parameters (its entries are then swapped for the masters, group
+            options kept, as Apex did).
+        module: the module that runs; its fp16/bf16 parameters get masters,
+            other parameters (fp32 norms) are their own masters.
+        masters: ``{name: fp32 Parameter}`` named as in
+            ``module.named_parameters()``. Defaults to ``module.amp_fx_masters``
+            (set by the converter to the original fp32 parameters, so no third
+            copy exists); missing entries are created by copying.
+        scaler: optional :class:`~amp_fx.runtime.LossScaler`. Only needed when
+            calling ``mw.step()`` directly (Apex style): it then checks, unscales
+            and skips through the scaler and returns whether it stepped. With
+            ``scaler.step(mw)`` it is not needed.
+
+    ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own
+    objects, so LR schedulers built over this wrapper (or over the wrapped
+    optimizer) drive the real learning rates.
+    """
+
+    # Deliberately no Optimizer.__init__: it would build its own param_groups and
+    # state, while ours must be the wrapped optimizer's objects.
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        module: nn.Module,
+        masters: Mapping[str, torch.Tensor] | None = None,
+        scaler: Any = None,
+    ) -> None:
+        self.optimizer = optimizer
+        self.module = module
+        self._scaler = scaler
+        for hooks in (
+            "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+        ):
+            setattr(self, hooks, OrderedDict())
+        self._patch_step_function()  # step hooks and profiling, as any Optimizer
+        self._grads_synced = False
+
+        self._names = {id(p): n for n, p in module.named_parameters()}
+        self._params = dict(module.named_parameters())
+        if masters is None:
+            masters = getattr(module, "amp_fx_masters", None)
+        self._given = dict(masters or {})
+        for name, master in self._given.items():
+            param = self._params.get(name)
+            if param is not None and (master.shape != param.shape or master.dtype in _LOW):
+                raise ValueError(
+                    f"master for {name!r} must be a full-precision tensor of shape "
+                    f"{tuple(param.shape)}, got {master.dtype} {tuple(master.shape)}"
+                )
+        self._given_ids = {id(m): n for n, m in self._given.items()}
+        self._masters: dict[str, torch.Tensor] = {}  # name -> master, owned names only
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (module param, master)
+
+        # Map everything first and swap last: a refused optimizer is left untouched.
+        swapped = [[self._master_for(p) for p in g["params"]] for g in optimizer.param_groups]
+        missing = [
+            n for n, p in self._params.items() if p.requires_grad and n not in self._masters
+        ]
+        if missing:
+            raise ValueError(
+                f"module parameters {missing} are in no param group of the optimizer, so "
+                "they would never be updated; build the optimizer over all of the module's "
+                "(or the masters') parameters, add them with add_param_group(), or set "
+                "requires_grad=False on them."
+            )
+        for group, params in zip(optimizer.param_groups, swapped):
+            group["params"] = params
+        self._move_state_to_masters()
+
+    # ----------------------------------------------------- parameter mapping
+    def _master_for(self, param: torch.Tensor) -> torch.Tensor:
+        """Return the master that stands for ``param`` (a module parameter or a master)."""
+        name = self._names.get(id(param))
+        if name is None:
+            name = self._given_ids.get(id(param))
+            if name is None:
+                raise ValueError(
+                    "optimizer does not own the model's parameters: it holds a tensor of "
+                    f"shape {tuple(param.shape)} and dtype {param.dtype} that is neither a "
+                    "parameter of the module nor one of its fp32 masters. Build the optimizer "
+                    "over the converted module's parameters or over the original model's "
+                    "(fp32) parameters, after conversion."
+                )
+            if name not in self._params:  # a master of a parameter the module dropped
+                return param
+        if name in self._masters:
+            return self._masters[name]
+        module_param = self._params[name]
+        master = self._given.get(name)
+        if master is None:
+            if module_param.dtype in _LOW:
+                master = nn.Parameter(
+                    module_param.detach().to(torch.float32), module_param.requires_grad
+                )
+            else:
+                master = module_param  # fp32 already: its own master
+        self._masters[name] = master
+        if master is not module_param:
+            self._pairs.append((module_param, master))
+        return master
+
+    def _move_state_to_masters(self) -> None:
+        # An optimizer that already stepped the module's parameters keeps that
+        # state; it now belongs to the masters.
+        for name, master in self._masters.items():
+            param = self._params[name]
+            if param is not master and param in self.optimizer.state:
+                self.optimizer.state[master] = self.optimizer.state.pop(param)
+
+    # ------------------------------------------------ the optimizer's face
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def master_parameters(self) -> Iterator[torch.Tensor]:
+        """Yield the fp32 tensors the optimizer steps (clip these, not the module's)."""
+        for group in self.param_groups:
+            yield from group["params"]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of module parameters or masters; low-precision ones get masters."""
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        group["params"] = [self._master_for(p) for p in params]
+        self.optimizer.add_param_group(group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients of the masters and of the module's low-precision parameters."""
+        self.optimizer.zero_grad(set_to_none)
+        with torch.no_grad():
+            if set_to_none:
+                for param, _ in self._pairs:
+                    param.grad = None
+            else:
+                grads = [p.grad for p, _ in self._pairs if p.grad is not None]
+                for g in grads:
+                    if g.grad_fn is not None:
+                        g.detach_()
+                if grads:
+                    torch._foreach_zero_(grads)
+        self._grads_synced = False
+
+    # ------------------------------------------------------------------ step
+    def _sync_grads_to_masters(self) -> None:
+        """Copy the module's low-precision grads into fp32 master grads (once per iteration)."""
+        if self._grads_synced:
+            return
+        dst, src = [], []
+        for param, master in self._pairs:
+            grad = param.grad
+            if grad is None:
+                master.grad = None  # as the module's: the optimizer skips this one
+                continue
+            if grad.is_sparse:
+                raise NotImplementedError("MasterWeightOptimizer does not support sparse gradients")
+            if master.grad is None:
+                master.grad = torch.empty_like(master, memory_format=torch.preserve_format)
+            dst.append(master.grad)
+            src.append(grad)
+        if dst:
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)
+        self._grads_synced = True
+
+    def _discard_synced_grads(self) -> None:
+        """Forget this iteration's sync (the scaler skipped the step)."""
+        self._grads_synced = False
+
+    def _copy_masters_to_module(self) -> None:
+        if self._pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([p for p, _ in self._pairs], [m for _, m in self._pairs])
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Step the masters with the wrapped optimizer and copy them into the module.
+
+        ``closure`` (optional) is evaluated once, before the step. When this
+        wrapper was given a ``scaler`` and is called directly, the scaler
+        checks and unscales first and a non-finite step is skipped; the return
+        value is then whether it stepped.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            self._grads_synced = False
+        scaler = self._scaler
+        if scaler is not None and not scaler._is_stepping(self):
+            if not scaler._begin_step(self):
+                return False
+            loss = True
+        self._sync_grads_to_masters()
+        self.optimizer.step()
+        self._copy_masters_to_module()
+        self._grads_synced = False
+        return loss
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Return the wrapped optimizer's state and the masters' values (by parameter name).
+
+        Tensors are references, as in ``Optimizer.state_dict``; ``torch.save`` copies.
+        """
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "masters": {name: m.detach() for name, m in self._masters.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore masters and optimizer state, then copy the masters into the module.
+
+        A plain optimizer state (no ``"masters"``) loads into the wrapped
+        optimizer only; the masters then keep their values.
+        """
+        if "masters" not in state_dict:
+            self.optimizer.load_state_dict(state_dict)
+            return
+        saved = state_dict["masters"]
+        missing = sorted(set(self._masters) - set(saved))
+        unexpected = sorted(set(saved) - set(self._masters))
+        if missing or unexpected:
+            raise KeyError(
+                f"master weights in the state do not match this model: missing {missing}, "
+                f"unexpected {unexpected}; rebuild the model and optimizer as when saving."
+            )
+        names = list(self._masters)
+        with torch.no_grad():
+            torch._foreach_copy_([self._masters[n] for n in names], [saved[n] for n in names])
+        self._copy_masters_to_module()
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self._grads_synced = False
