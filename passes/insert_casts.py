@@ -185,10 +185,14 @@ def _follow_dtype(node: fx.Node) -> Optional[torch.dtype]:
         if target is not None:
             return target
     inputs = _float_inputs(node)
-    if not inputs:
-        # Factories (torch.zeros(...)) make the default dtype when they make floats.
-        return torch.get_default_dtype() if node.op != "placeholder" else None
-    return _promote([float_dtype(n) for n in inputs])
+    containers: list[fx.Node] = []
+    others: list[fx.Node] = []
+    map_arg((node.args, node.kwargs), lambda n: (containers if n.meta.get("amp_fx.container") else others).append(n))
+    if not inputs and not containers:
+        # Factories (torch.zeros(x.size())) make the default dtype when they make floats.
+        known_non_tensors = all(n.meta.get("amp_fx.is_tensor") is False for n in others)
+        return torch.get_default_dtype() if known_non_tensors else None
+    return _promote([float_dtype(n) for n in inputs + containers])
 
 
 def _leaf_params(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:

@@ -137,6 +137,9 @@ def propagate_meta(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         elif value is not None and node.op != "output":
             meta["amp_fx.is_tensor"] = False
             meta["amp_fx.is_float"] = False
+            # Tuples of tensors (chunk, LSTM outputs): dtypes flow through getitem.
+            leaves = [v for v in torch.utils._pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+            meta["amp_fx.container"] = any(v.is_floating_point() for v in leaves)
             known += 1
         else:
             is_tensor, is_float = _static_kind(node, gm)
