@@ -58,14 +58,25 @@ def test_gemms_run_bf16_and_error_is_no_worse_than_autocast(name):
     assert ours <= 1.5 * theirs + 2e-3, (ours, theirs)
 
 
+def _grads(model, run):
+    model.zero_grad()
+    run().float().pow(2).mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize("name", ["mlp", "cnn", "sdpa"])
-def test_gradients_agree_with_fp32_within_bf16_tolerance(name):
+def test_gradients_are_as_close_to_fp32_as_autocast_gradients(name):
     model, example, kwargs = zoo.build(name)
     gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16, **kwargs)
-    gm(*example).float().pow(2).mean().backward()
-    low_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    model(*example).pow(2).mean().backward()
-    for n, p in model.named_parameters():
-        relative = (low_grads[n] - p.grad).norm() / p.grad.norm().clamp_min(1e-6)
-        assert relative < 0.1, (n, relative.item())
+    ours = _grads(model, lambda: gm(*example))
+    ref = _grads(model, lambda: model(*example))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = _grads(model, lambda: model(*example))
+    # Conv biases before BatchNorm have ~0 true gradient: measure every error
+    # against the norm of all gradients, not each parameter's own.
+    total = torch.sqrt(sum(g.pow(2).sum() for g in ref.values()))
+    for n in ref:
+        err_ours = (ours[n] - ref[n]).norm() / total
+        err_auto = (auto[n] - ref[n]).norm() / total
+        assert err_ours <= 1.5 * err_auto + 1e-3, (n, err_ours.item(), err_auto.item())
+        assert err_ours < 0.05, n
