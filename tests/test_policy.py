@@ -1,0 +1,97 @@
+"""Policy overrides: by module name (exact, glob, regex), module type and op, with DESIGN.md's precedence."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import amp_fx
+import zoo
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.decoder = nn.ModuleDict({"body": nn.Linear(8, 8), "head": nn.Linear(8, 4)})
+
+    def forward(self, x):
+        h = self.decoder["body"](self.encoder(x))
+        return self.decoder["head"](h).softmax(-1)
+
+
+def _decisions(gm, op="linear"):
+    return {r.module: r.decision for r in gm.amp_report.nodes if r.op == op and not r.inserted}
+
+
+def test_pinning_a_submodule_pins_every_op_inside_it():
+    gm = amp_fx.convert(Net(), "O1", policy={"module:decoder.head": "fp32"})
+    assert _decisions(gm) == {"encoder.0": "low", "encoder.2": "low", "decoder.body": "low", "decoder.head": "fp32"}
+    builder = amp_fx.convert(Net(), "O1", policy=amp_fx.Policy().set_module_name("encoder", "fp32"))
+    assert _decisions(builder)["encoder.0"] == _decisions(builder)["encoder.2"] == "fp32"
+
+
+def test_glob_and_regex_module_names():
+    gm = amp_fx.convert(Net(), "O1", policy={"module:encoder.*": "fp32"})
+    assert _decisions(gm)["encoder.2"] == "fp32" and _decisions(gm)["decoder.body"] == "low"
+    gm = amp_fx.convert(Net(), "O1", policy={r"module_re:^decoder\.(body|head)$": "fp32"})
+    assert _decisions(gm)["decoder.head"] == "fp32" and _decisions(gm)["encoder.0"] == "low"
+
+
+def test_force_an_op_low_and_add_a_custom_op():
+    gm = amp_fx.convert(Net(), "O1", policy={"op:softmax": "low"})
+    assert _decisions(gm, "softmax") == {"": "low"}
+    assert gm(torch.randn(2, 8)).dtype == torch.bfloat16
+
+    class Custom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            return my_gemm(x, self.w)
+
+    gm = amp_fx.convert(Custom(), "O1", policy={my_gemm: "low"})
+    assert gm(torch.randn(2, 4)).dtype == torch.bfloat16
+    record = next(r for r in gm.amp_report.nodes if r.op == "my_gemm")
+    assert record.rule == "policy" and "my_gemm" in record.reason
+
+
+def my_gemm(a, b):
+    """A user function fx keeps as one node (wrapped below)."""
+    return a @ b
+
+
+torch.fx.wrap("my_gemm")
+
+
+def test_module_type_override():
+    gm = amp_fx.convert(zoo.SDPABlock(), "O1", policy={nn.LayerNorm: "low"})
+    assert set(_decisions(gm, "layer_norm").values()) == {"low"}
+
+
+def test_precedence_name_over_type_over_op():
+    policy = amp_fx.Policy().set_op("linear", "fp32").set_module_type(nn.Linear, "low").set_module_name("decoder.head", "fp32")
+    gm = amp_fx.convert(Net(), "O1", policy=policy)
+    decisions = _decisions(gm)
+    assert decisions["decoder.head"] == "fp32"  # name beats type
+    assert decisions["encoder.0"] == "low"  # type beats op
+    exact_first = amp_fx.Policy().set_module_name("decoder.*", "low").set_module_name("decoder.head", "fp32")
+    assert _decisions(amp_fx.convert(Net(), "O1", policy=exact_first))["decoder.head"] == "fp32"
+
+
+def test_unknown_module_name_is_an_error_with_close_matches():
+    with pytest.raises(ValueError, match="Did you mean 'decoder.head'"):
+        amp_fx.convert(Net(), "O1", policy={"module:decoder.haed": "fp32"})
+    with pytest.raises(ValueError, match="matches no module"):
+        amp_fx.convert(Net(), "O1", policy={"module:nothing.*": "fp32"})
+
+
+@pytest.mark.parametrize("policy, message", [
+    ({"layer:x": "fp32"}, "unknown policy key"),
+    ({"softmax": "fp32"}, "unknown policy key"),
+    ({"op:softmax": "half"}, "unknown policy decision"),
+    ([("op:softmax", "low")], "policy must be"),
+])
+def test_bad_policies_are_refused(policy, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        amp_fx.convert(Net(), "O1", policy=policy)
