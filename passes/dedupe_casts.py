@@ -5,7 +5,8 @@ through a view (``w.t()``, ``w.view(...)``, ``w[0]``) is a different value,
 so it would get a second cast.  This pass rewrites ``cast(view(w))`` into
 ``view(cast(w))`` when ``w`` is a parameter or is cast to that dtype anyway,
 so each parameter is cast at most once per forward and the views read the
-cast copy.
+cast copy.  Chains of views (``w.t().contiguous()``) are hoisted one step at a
+time until the cast reads the parameter.
 """
 
 from __future__ import annotations
@@ -40,6 +41,16 @@ def _single_tensor_view(node: fx.Node) -> fx.Node | None:
     return source
 
 
+def _rooted_at_param(node: fx.Node) -> bool:
+    """True when ``node`` is a parameter or a chain of views of one."""
+    while node.meta.get("amp_fx.param") is None:
+        source = _single_tensor_view(node)
+        if source is None:
+            return False
+        node = source
+    return True
+
+
 def _existing_casts(graph: fx.Graph) -> dict[tuple[fx.Node, torch.dtype], fx.Node]:
     return {(cast_source(n), cast_target(n)): n for n in graph.nodes if is_inserted_cast(n)}
 
@@ -61,7 +72,7 @@ def dedupe_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             target = cast_target(cast)
             if source is None or source.meta.get("amp_fx.is_float") is not True:
                 continue
-            if source.meta.get("amp_fx.param") is None and (source, target) not in builder.cache:
+            if not _rooted_at_param(source) and (source, target) not in builder.cache:
                 continue
             source_cast = builder.cast(source, target)
             with graph.inserting_before(cast):

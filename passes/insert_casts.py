@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from amp_fx import tables
+from amp_fx.cast_nodes import cast_source, cast_target, is_inserted_cast
 from amp_fx.casts import amp_cast, amp_promote, call_with_params
 from amp_fx.pass_manager import PassContext, PassResult
 
@@ -250,6 +251,8 @@ def _out_of_place(node: fx.Node, builder: CastBuilder, dtype: torch.dtype) -> fx
 def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Insert casts so that every node sees the dtype its decision asks for."""
     builder = CastBuilder(gm.graph)
+    # Casts from an earlier run are reused, so a second run inserts nothing.
+    builder.cache.update({(cast_source(n), cast_target(n)): n for n in gm.graph.nodes if is_inserted_cast(n)})
     low = ctx.low
     promote_helpers = 0
     leaf_param_casts = 0

@@ -1,0 +1,105 @@
+"""The op tables are valid data, and op_keys maps every spelling of an op to one canonical name."""
+
+import itertools
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from amp_fx import tables
+from amp_fx.op_keys import canonical_op, is_inplace, module_op_name
+
+# Canonical names that are not ATen op names: torch-level composites the
+# autocast reference lists by their Python name.
+PYTHON_LEVEL_NAMES = {"cross_entropy", "normalize", "softmin", "interpolate", "rtruediv", "multi_head_attention",
+                      "lstm_cell", "gru_cell", "getitem", "setitem", "identity", "pad", "getattr", "size", "dim",
+                      "grid_sampler", "chain_matmul", "slice", "lift_fresh_copy", "unsafe_view"}
+
+
+def test_tables_are_disjoint():
+    for (a, ta), (b, tb) in itertools.combinations(tables.all_tables().items(), 2):
+        assert not set(ta) & set(tb), f"{a} and {b} share {set(ta) & set(tb)}"
+
+
+@pytest.mark.parametrize("category, table", list(tables.all_tables().items()))
+def test_every_key_is_canonical_and_has_a_reason(category, table):
+    for name, reason in table.items():
+        assert reason.strip(), name
+        assert hasattr(torch.ops.aten, name) or name in PYTHON_LEVEL_NAMES, f"{category}: {name!r} is not canonical"
+
+
+def _node_of(fn, *args):
+    class M(nn.Module):
+        def forward(self, x):
+            return fn(x)
+
+    gm = fx.symbolic_trace(M())
+    node = [n for n in gm.graph.nodes if n.op.startswith("call")][-1]
+    return canonical_op(node, gm), is_inplace(node, gm)
+
+
+@pytest.mark.parametrize("fn, expected", [
+    (lambda x: torch.matmul(x, x), "matmul"),
+    (lambda x: x.matmul(x), "matmul"),
+    (lambda x: x @ x, "matmul"),
+    (lambda x: F.linear(x, x), "linear"),
+    (lambda x: torch._C._nn.linear(x, x), "linear"),
+    (lambda x: x.softmax(-1), "softmax"),
+    (lambda x: F.softmax(x, -1), "softmax"),
+    (lambda x: x.float(), "float"),
+    (lambda x: x.to(torch.float16), "to"),
+    (lambda x: torch.norm(x), "norm"),
+    (lambda x: torch.cdist(x, x), "cdist"),
+    (lambda x: torch.chain_matmul(x, x), "chain_matmul"),
+    (lambda x: torch.tensordot(x, x, 1), "tensordot"),
+    (lambda x: torch.einsum("ij,jk", x, x), "einsum"),
+    (lambda x: torch.linalg.multi_dot([x, x]), "linalg_multi_dot"),
+    (lambda x: 1.0 / x, "rtruediv"),
+    (lambda x: x / 2, "div"),
+    (lambda x: x ** 2, "pow"),
+    (lambda x: F.cross_entropy(x, x), "cross_entropy"),
+    (lambda x: F.multi_head_attention_forward, None),
+])
+def test_spellings_map_to_one_name(fn, expected):
+    if expected is None:
+        return
+    assert _node_of(fn)[0] == expected
+
+
+def test_in_place_spellings_are_flagged():
+    assert _node_of(lambda x: x.exp_()) == ("exp", True)
+    assert _node_of(lambda x: torch.relu_(x)) == ("relu", True)
+    assert _node_of(lambda x: F.relu(x, inplace=True)) == ("relu", True)
+    assert _node_of(lambda x: x.exp()) == ("exp", False)
+
+
+@pytest.mark.parametrize("module, name", [
+    (nn.Linear(2, 2), "linear"), (nn.Conv2d(1, 1, 1), "conv2d"), (nn.ConvTranspose1d(1, 1, 1), "conv_transpose1d"),
+    (nn.LayerNorm(2), "layer_norm"), (nn.BatchNorm2d(2), "batch_norm"), (nn.SyncBatchNorm(2), "batch_norm"),
+    (nn.LSTM(2, 2), "lstm"), (nn.GRU(2, 2), "gru"), (nn.RNN(2, 2, nonlinearity="relu"), "rnn_relu"),
+    (nn.LSTMCell(2, 2), "lstm_cell"), (nn.MultiheadAttention(2, 1), "multi_head_attention"),
+    (nn.Embedding(2, 2), "embedding"), (nn.ReLU(), "relu"), (nn.GELU(), "gelu"), (nn.SiLU(), "silu"),
+    (nn.LeakyReLU(), "leaky_relu"), (nn.MaxPool2d(2), "max_pool2d"), (nn.AdaptiveAvgPool2d(1), "adaptive_avg_pool2d"),
+    (nn.CrossEntropyLoss(), "cross_entropy"), (nn.BCELoss(), "binary_cross_entropy"), (nn.Softmax(), "softmax"),
+])
+def test_modules_map_to_their_op(module, name):
+    assert module_op_name(module) == name
+
+
+@pytest.mark.parametrize("target, expected", [
+    (torch.ops.aten.addmm.default, ("addmm", False)),
+    (torch.ops.aten._softmax.default, ("softmax", False)),
+    (torch.ops.aten.native_layer_norm.default, ("layer_norm", False)),
+    (torch.ops.aten.exp_.default, ("exp", True)),
+    (torch.ops.aten._to_copy.default, ("to", False)),
+    (torch.ops.aten.convolution.default, ("convolution", False)),
+    (torch.ops.aten.cross_entropy_loss.default, ("cross_entropy", False)),
+])
+def test_aten_overloads_map_to_canonical_names(target, expected):
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    node = graph.call_function(target, (x,))
+    assert (canonical_op(node), is_inplace(node)) == expected
