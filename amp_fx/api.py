@@ -138,6 +138,7 @@ def convert(
         source, leaf_modules=leaf_modules,
         example_inputs=tuple(example_inputs) if example_inputs is not None else None,
         example_kwarg_inputs=dict(example_kwarg_inputs) if example_kwarg_inputs else None,
+        module_class=AmpGraphModule,
     )
     _copy_missing_state(gm, source)
     ctx = PassContext(config=config, policy=policy,
@@ -149,8 +150,7 @@ def convert(
         notes.append("traced with torch.export: the module's train/eval mode at conversion is part of the graph")
     gm, report = rewrite_graph(gm, ctx, own_params=owns_params, notes=notes)
 
-    result = AmpGraphModule(gm, gm.graph, type(model).__name__)
-    _copy_missing_state(result, gm)
+    result = gm
     result.train(model.training)
     result.amp_report = report
     result.amp_config = config

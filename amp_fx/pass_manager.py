@@ -2,7 +2,7 @@
 
 Every pass is ``fn(gm, ctx) -> PassResult``.  Analyses only write
 ``node.meta["amp_fx.<key>"]`` and return ``modified=False``; rewrites edit
-the ``gm`` they are given.  The runner lints and recompiles after each pass,
+the ``gm`` they are given.  The runner lints after each pass (and recompiles once at the end),
 logs ``after <pass>`` at DEBUG on ``amp_fx.passes.<pass>``, optionally dumps
 the code before/after each pass to ``$AMP_FX_DEBUG_DIR``, and names the
 failing pass in any error.
@@ -86,7 +86,10 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[AmpPass]) 
             gm = result.graph_module
             if result.modified:
                 gm.graph.lint()
-                gm.recompile()
+                # Regenerating Python code is the costly part of a pass on a
+                # large graph: only when someone reads it before the end.
+                if os.environ.get("AMP_FX_DEBUG_DIR"):
+                    gm.recompile()
         except (PassError, AmpError):
             raise
         except Exception as error:
@@ -95,4 +98,5 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[AmpPass]) 
         ctx.stats[name] = stats
         logging.getLogger(f"amp_fx.passes.{name}").debug("after %s: %s", name, stats)
         _dump(gm, name, "after", index)
+    gm.recompile()
     return gm

@@ -12,7 +12,9 @@ MultiheadAttention), plus any the user names.
 
 from __future__ import annotations
 
+import linecache
 import os
+import sys
 import threading
 import traceback
 from typing import Any, Iterable, Optional, Sequence, Union
@@ -52,13 +54,59 @@ class AmpTracer(fx.Tracer):
 
     def __init__(self, leaf_modules: Iterable[Union[type, str]] = ()):
         super().__init__(autowrap_functions=HELPERS)
-        self.record_stack_traces = True
+        self._tensor_names: Optional[tuple[dict[int, str], dict[int, str]]] = None
         leaves = tuple(leaf_modules)
         self.leaf_types = tuple(t for t in leaves if isinstance(t, type))
         self.leaf_names = frozenset(n for n in leaves if isinstance(n, str))
         bad = [leaf for leaf in leaves if not isinstance(leaf, (type, str))]
         if bad:
             raise TypeError(f"leaf_modules takes module types or qualified module names, got {bad!r}")
+
+    def trace(self, root: Any, concrete_args: Optional[dict] = None) -> fx.Graph:
+        self._tensor_names = None
+        return super().trace(root, concrete_args)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        """Proxy parameters and buffers through a name index.
+
+        fx's own lookup scans every parameter of the model for each attribute
+        access, which makes tracing quadratic in model size.
+        """
+        if not isinstance(attr_val, torch.Tensor):
+            return attr_val
+        if self._tensor_names is None:
+            params: dict[int, str] = {}
+            buffers: dict[int, str] = {}
+            for name, p in self.root.named_parameters():
+                params.setdefault(id(p), name)
+            for name, b in self.root.named_buffers():
+                buffers.setdefault(id(b), name)
+            self._tensor_names = (params, buffers)
+        params, buffers = self._tensor_names
+        name = params.get(id(attr_val)) if isinstance(attr_val, nn.Parameter) else None
+        if name is None and self.proxy_buffer_attributes:
+            name = buffers.get(id(attr_val))
+        if name is None:
+            return attr_val
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        """Create a node and record the innermost user source line that made it.
+
+        Cheaper than fx's ``record_stack_traces``, which formats the whole
+        stack for every node.
+        """
+        node = super().create_node(*args, **kwargs)
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith((_TORCH_DIR, _AMP_FX_DIR)):
+            frame = frame.f_back
+        if frame is not None:
+            filename, lineno = frame.f_code.co_filename, frame.f_lineno
+            code = linecache.getline(filename, lineno).strip()
+            node.meta["stack_trace"] = f'  File "{filename}", line {lineno}, in {frame.f_code.co_name}\n    {code}\n'
+        return node
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_names or isinstance(m, self.leaf_types):
@@ -106,15 +154,16 @@ def _clean_path(path: str) -> str:
     return path.replace("[", ".").replace("]", "").replace("'", "")
 
 
-def _symbolic_trace(model: nn.Module, tracer: AmpTracer) -> fx.GraphModule:
+def _symbolic_trace(model: nn.Module, tracer: AmpTracer, module_class: type) -> fx.GraphModule:
     graph = tracer.trace(model)
-    name = model.__class__.__name__ if isinstance(model, nn.Module) else "Graph"
-    return fx.GraphModule(tracer.root, graph, name)
+    return module_class(tracer.root, graph, type(model).__name__)
 
 
-def _export_trace(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
-    program = torch.export.export(model, args, kwargs, strict=False)
-    return program.module()
+def _export_trace(model: nn.Module, args: tuple, kwargs: dict, module_class: type) -> fx.GraphModule:
+    unlifted = torch.export.export(model, args, kwargs, strict=False).module()
+    if module_class is fx.GraphModule:
+        return unlifted
+    return module_class(unlifted, unlifted.graph, type(model).__name__)
 
 
 def _describe_failure(error: BaseException, tracer: AmpTracer) -> str:
@@ -132,24 +181,26 @@ def trace_model(
     leaf_modules: Sequence[Union[type, str]] = (),
     example_inputs: Optional[tuple] = None,
     example_kwarg_inputs: Optional[dict] = None,
+    module_class: type = fx.GraphModule,
 ) -> tuple[fx.GraphModule, str]:
     """Trace ``model``; return the GraphModule and the route taken ("symbolic_trace" or "torch.export").
 
     Symbolic tracing is tried first.  When it fails and example inputs were
     given, ``torch.export`` (non-strict) traces the model at the ATen level.
     When neither works, :class:`AmpTraceError` says what failed, where, and
-    the ways out.
+    the ways out.  ``module_class`` is the GraphModule subclass to build.
     """
     tracer = AmpTracer(leaf_modules)
     try:
         with _TRACE_LOCK:
-            return _symbolic_trace(model, tracer), "symbolic_trace"
+            return _symbolic_trace(model, tracer, module_class), "symbolic_trace"
     except Exception as error:  # any tracing failure: report it with context below
         symbolic_error = error
         failure = _describe_failure(error, tracer)
     if example_inputs is not None or example_kwarg_inputs is not None:
         try:
-            return _export_trace(model, tuple(example_inputs or ()), dict(example_kwarg_inputs or {})), "torch.export"
+            args, kwargs = tuple(example_inputs or ()), dict(example_kwarg_inputs or {})
+            return _export_trace(model, args, kwargs, module_class), "torch.export"
         except Exception as error:
             raise AmpTraceError(
                 f"amp_fx could not trace {type(model).__name__}.\n"
