@@ -33,7 +33,7 @@ _LAZY = {
     "draw": "amp_fx.views",
     "summary": "amp_fx.views",
     "find_overflow": "amp_fx.overflow",
-    "calibrate": "amp_fx.calibrate",
+    "calibrate": "amp_fx.calibration",
 }
 
 
