@@ -25,8 +25,10 @@ LEVELS = ("O0", "O1", "O2", "O3")
 _PRESETS: dict[str, dict[str, Any]] = {
     "O0": dict(op_mode="none", cast_params=False, keep_batchnorm_fp32=True,
                master_weights=False, loss_scale=1.0, cast_model_outputs=None),
+    # O1 leaves most ops FOLLOW, so where the casts go is a real choice:
+    # minimize_casts places them by min-cut.
     "O1": dict(op_mode="tables", cast_params=False, keep_batchnorm_fp32=True,
-               master_weights=False, loss_scale="dynamic", cast_model_outputs=None),
+               master_weights=False, loss_scale="dynamic", cast_model_outputs=None, minimize_casts=True),
     "O2": dict(op_mode="all_low", cast_params=True, keep_batchnorm_fp32=True,
                master_weights=True, loss_scale="dynamic", cast_model_outputs=torch.float32),
     "O3": dict(op_mode="all_low", cast_params=True, keep_batchnorm_fp32=False,

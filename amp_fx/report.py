@@ -127,6 +127,8 @@ class ConversionReport:
         if t["unknown_ops"]:
             lines.append(f"  unknown ops (followed their input): {t['unknown_ops']}")
         lines.extend(f"  note: {n}" for n in self.notes)
+        # A pass may add lines of its own (minimize_casts' cast bytes, pad_gemm's shapes).
+        lines.extend(f"  {name}: {line}" for name, stats in self.passes.items() for line in stats.get("report_lines", ()))
         rows = [("node", "op", "module", "decision", "dtype", "reason")]
         rows += [(r.name, r.op or "", r.module or "", r.decision, r.dtype or "?", r.reason)
                  for r in self.nodes if r.decision not in ("none",)]
@@ -147,9 +149,11 @@ def build_report(gm: fx.GraphModule, *, level: str, dtype: torch.dtype, route: s
         reason = meta.get("amp_fx.reason", "")
         if inserted and meta.get("amp_fx.weight_cast") and "weight cast" not in reason:
             reason = f"{reason} (weight cast)"
+        # pad_gemm's padded weight casts are casts too: the padded copy is the cast copy.
+        is_cast = is_inserted_cast(node) or (inserted and meta.get("amp_fx.cast_of") is not None)
         records.append(NodeRecord(
             name=node.name,
-            op=meta.get("amp_fx.op") if not is_inserted_cast(node) else "to",
+            op=meta.get("amp_fx.op") if not is_cast else "to",
             module=meta.get("amp_fx.module_path", ""),
             decision=meta.get("amp_fx.decision", "none"),
             reason=reason,
@@ -157,7 +161,7 @@ def build_report(gm: fx.GraphModule, *, level: str, dtype: torch.dtype, route: s
             dtype=_dtype_name(float_dtype(node)),
             source=meta.get("amp_fx.source"),
             inserted=inserted,
-            cast_bytes=cast_bytes(node) if is_inserted_cast(node) else None,
+            cast_bytes=cast_bytes(node) if is_cast else None,
         ))
     return ConversionReport(level=level, dtype=_dtype_name(dtype), route=route, nodes=records,
                             passes=dict(passes), notes=list(notes))

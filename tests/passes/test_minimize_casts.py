@@ -1,0 +1,365 @@
+"""Tests for passes/minimize_casts: the min-cut placement beats or equals the greedy paint, exactly where it should.
+
+Every pass test goes through ``check()`` (after torch's test_cse_pass): the
+pass adds no node (it only repaints), reports ``modified`` truthfully, a
+second run changes nothing, the graph lints, and the finished rewrite is
+within bf16 tolerance of fp32.  Byte counts are asserted exactly, computed in
+the test from the tensor sizes: a cast reads fp32 (4 B) and writes bf16 (2 B)
+or the reverse, so it moves 6 B per element.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+import amp_fx
+import zoo
+from amp_fx.config import make_config
+from amp_fx.pass_manager import PassContext, run_passes
+from amp_fx.pipeline import build_pipeline, rewrite_graph
+from amp_fx.passes.assign_precision import assign_precision
+from amp_fx.passes.dedupe_casts import dedupe_casts
+from amp_fx.passes.fold_casts import fold_casts
+from amp_fx.passes.insert_casts import insert_casts
+from amp_fx.passes.minimize_casts import _dtypes, _kinds, build_problem, minimize_casts
+from amp_fx.passes.propagate_meta import propagate_meta
+from random_cast_graphs import random_graph
+
+CAST = 6  # bytes a fp32<->bf16 cast moves per element
+
+
+def _paint(gm: fx.GraphModule) -> dict[str, tuple]:
+    return {n.name: (n.meta.get("amp_fx.decision"), n.meta.get("amp_fx.reason"), n.meta.get("amp_fx.rule")) for n in gm.graph.nodes}
+
+
+class _Recorder(fx.Interpreter):
+    """Stores each node's real value as its example value (cheaper than FakeTensor propagation on tiny graphs)."""
+
+    def run_node(self, node):
+        value = super().run_node(node)
+        node.meta["val"] = value
+        return value
+
+
+def _context(gm: fx.GraphModule, example: tuple, **overrides) -> PassContext:
+    config = make_config("O1", dtype=torch.bfloat16, **overrides)
+    return PassContext(config=config, example_inputs=example)
+
+
+def _close(actual, expected, tol: float = 0.05) -> None:
+    actual = actual if isinstance(actual, tuple) else (actual,)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    for got, want in zip(actual, expected):
+        scale = 1.0 + want.abs().max().item()
+        assert (got.float() - want).abs().max().item() <= tol * scale
+
+
+def check(gm: fx.GraphModule, example: tuple, *, moved: int | None = None, **overrides) -> tuple[dict, fx.GraphModule]:
+    """Run minimize_casts on ``gm`` and check the pass contract; return its stats and the finished module.
+
+    ``moved``: how many nodes the pass must repaint (None: any number).
+    """
+    reference = gm(*example)
+    ctx = _context(gm, example, **overrides)
+    gm = run_passes(gm, ctx, [propagate_meta, assign_precision])
+    nodes, paint = len(gm.graph.nodes), _paint(gm)
+    result = minimize_casts(gm, ctx)
+    assert len(result.graph_module.graph.nodes) == nodes  # it only repaints
+    assert result.modified == (_paint(result.graph_module) != paint)
+    assert result.modified == (result.stats["moved"] > 0)
+    if moved is not None:
+        assert result.stats["moved"] == moved
+    result.graph_module.graph.lint()
+    painted = _paint(result.graph_module)
+    again = minimize_casts(result.graph_module, ctx)
+    assert not again.modified and _paint(again.graph_module) == painted
+    assert again.stats["cast_bytes_min_cut"] == result.stats["cast_bytes_min_cut"]
+    finished = run_passes(again.graph_module, ctx, [insert_casts, dedupe_casts, fold_casts])
+    _close(finished(*example), reference)
+    return result.stats, finished
+
+
+def _measured(model: nn.Module, example: tuple, minimize: bool, **kwargs) -> amp_fx.AmpGraphModule:
+    return amp_fx.convert(model, "O1", dtype=torch.bfloat16, example_inputs=example, minimize_casts=minimize, **kwargs)
+
+
+# --------------------------------------------------------------------------
+# Hand-built graphs where the greedy paint casts more than it needs to
+# --------------------------------------------------------------------------
+class HandBias(nn.Module):
+    """x @ W1 + b1 then @ W2: greedy adds the fp32 bias in fp32 and casts the (4, 32) sum back down."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(16, 32) * 0.3)
+        self.b1 = nn.Parameter(torch.randn(32))
+        self.w2 = nn.Parameter(torch.randn(32, 8) * 0.3)
+
+    def forward(self, x):
+        return (x @ self.w1 + self.b1) @ self.w2
+
+
+class FanOut(nn.Module):
+    """An fp32 layer_norm read by two FOLLOW ops that feed two Linears: greedy casts each branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 8)
+        self.b = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = F.layer_norm(x, (16,))
+        return self.a(F.relu(h)) + self.b(torch.tanh(h))
+
+
+class Broadcast(nn.Module):
+    """An fp32 row sum expanded to (4, 16) before a Linear: greedy casts after the expand."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.proj(x.sum(-1, keepdim=True).expand(-1, 16))
+
+
+class FanIn32(nn.Module):
+    """A low Linear read by two FOLLOW ops that feed fp32 ops: greedy casts each branch up."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return torch.softmax(F.relu(h), -1) + F.layer_norm(torch.tanh(h), (8,))
+
+
+X = (4, 16)
+# (model, greedy cast elements, optimal cast elements, nodes moved); weight casts are in both.
+HAND_BUILT = [
+    (HandBias, 4 * 16 + 16 * 32 + 32 * 8 + 4 * 32, 4 * 16 + 16 * 32 + 32 * 8 + 32, 1),
+    (FanOut, (8 * 16 + 8) * 2 + 2 * 4 * 16, (8 * 16 + 8) * 2 + 4 * 16, 2),
+    (Broadcast, 8 * 16 + 8 + 4 * 16, 8 * 16 + 8 + 4 * 1, 1),
+    (FanIn32, 4 * 16 + 8 * 16 + 8 + 2 * 4 * 8, 4 * 16 + 8 * 16 + 8 + 4 * 8, 2),
+]
+
+
+@pytest.mark.parametrize("factory,greedy,optimal,moved", HAND_BUILT, ids=[h[0].__name__ for h in HAND_BUILT])
+def test_hand_built_graph_reaches_the_optimum(factory, greedy, optimal, moved):
+    """The greedy paint needs more cast bytes than the optimum; the pass finds the optimum, byte for byte."""
+    model, example = factory(), (torch.randn(*X),)
+    stats, _ = check(fx.symbolic_trace(model), example, moved=moved)
+    assert stats["cast_bytes_greedy"] == greedy * CAST
+    assert stats["cast_bytes_min_cut"] == optimal * CAST
+    # The conversion's own report agrees, and minimize_casts=False keeps the greedy casts.
+    assert _measured(model, example, True).amp_report.cast_bytes == optimal * CAST
+    assert _measured(model, example, False).amp_report.cast_bytes == greedy * CAST
+
+
+def test_reasons_say_placed_by_min_cut():
+    """Moved nodes say so in the report; an explicit paint reads 'placed low: min-cut' and is a low node."""
+    converted = _measured(FanOut(), (torch.randn(*X),), True)
+    relu, tanh = converted.amp_report.node("relu"), converted.amp_report.node("tanh")
+    for record in (relu, tanh):
+        assert (record.decision, record.reason, record.rule, record.dtype) == ("low", "placed low: min-cut", "min-cut", "bfloat16")
+    line = converted.amp_report.passes["minimize_casts"]["report_lines"][0]
+    assert line == "cast bytes per forward 2,400 greedy -> 2,016 min-cut (384 saved, 16%); 2 nodes moved: 2 to low, 0 to fp32"
+    assert "minimize_casts: " + line in str(converted.amp_report)
+
+
+def test_without_example_inputs_sizes_are_estimated():
+    """No example inputs: activation sizes fall back to estimates, the report says so, the placement is the same."""
+    model, x = FanOut(), torch.randn(*X)
+    estimated = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    stats = estimated.amp_report.passes["minimize_casts"]
+    assert stats["sizes_estimated"] and stats["moved"] == 2 and stats["cast_bytes_min_cut"] < stats["cast_bytes_greedy"]
+    assert stats["report_lines"][0].startswith("cast bytes per forward ~") and "(sizes estimated" in stats["report_lines"][0]
+    exact = _measured(model, (x,), True)
+    assert [r.decision for r in estimated.amp_report.nodes if r.rule == "min-cut"] == ["low", "low"]
+    assert {r.name for r in estimated.amp_report.nodes if r.rule == "min-cut"} == {r.name for r in exact.amp_report.nodes if r.rule == "min-cut"}
+    torch.testing.assert_close(estimated(x), exact(x), rtol=0, atol=0)
+
+
+def test_moved_to_fp32_and_switched_off():
+    """FanIn32 moves its FOLLOW ops to fp32; minimize_casts=False leaves them following their low input."""
+    model, example = FanIn32(), (torch.randn(*X),)
+    on, off = _measured(model, example, True), _measured(model, example, False)
+    assert on.amp_report.node("relu").decision == "fp32" and on.amp_report.node("relu").dtype == "float32"
+    assert off.amp_report.node("relu").decision == "follow" and off.amp_report.node("relu").dtype == "bfloat16"
+    assert "minimize_casts" not in off.amp_report.passes
+    torch.testing.assert_close(on(*example), off(*example), rtol=0.02, atol=0.02)
+
+
+def test_policy_pinned_nodes_never_move():
+    """A node pinned by the policy keeps its paint even where moving it would save bytes."""
+    example = (torch.randn(*X),)
+    converted = _measured(FanOut(), example, True, policy={"op:relu": "follow"})
+    relu, tanh = converted.amp_report.node("relu"), converted.amp_report.node("tanh")
+    assert (relu.decision, relu.rule, relu.dtype) == ("follow", "policy", "float32")
+    # tanh alone gains nothing (layer_norm's cast would replace tanh's), so nothing moves.
+    assert tanh.decision == "follow" and converted.amp_report.passes["minimize_casts"]["moved"] == 0
+
+
+class WrittenInPlace(FanOut):
+    """FanOut, but a view of the layer_norm output is scaled in place before tanh reads it."""
+
+    def forward(self, x):
+        h = F.layer_norm(x, (16,))
+        r = F.relu(h)
+        h.view(4, 16).mul_(2)
+        return self.a(r) + self.b(torch.tanh(h))
+
+
+def test_values_written_in_place_are_not_moved():
+    """Casting h for a moved reader would copy it before the in-place write: nothing around h moves."""
+    model, example = WrittenInPlace(), (torch.randn(*X),)
+    stats, _ = check(fx.symbolic_trace(model), example, moved=0)
+    assert stats["cast_bytes_min_cut"] == stats["cast_bytes_greedy"]
+    torch.testing.assert_close(_measured(model, example, True)(*example).float(), model(*example), rtol=0.05, atol=0.05)
+
+
+class IntegerPath(nn.Module):
+    """Integer ids flow through FOLLOW ops beside the float path; they carry no cost and are never painted."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 16)
+        self.proj = nn.Linear(16, 8)
+
+    def forward(self, ids, x):
+        shifted = (ids + 1).clamp(max=9)
+        return self.proj(F.layer_norm(x + self.embed(shifted), (16,)).sum(-1, keepdim=True).expand(-1, -1, 16))
+
+
+def test_integer_values_carry_no_cost_and_keep_their_paint():
+    example = (torch.randint(0, 9, (2, 3)), torch.randn(2, 3, 16))
+    gm = fx.symbolic_trace(IntegerPath())
+    stats, finished = check(gm, example, moved=1)
+    ctx = _context(gm, example)
+    gm = run_passes(fx.symbolic_trace(IntegerPath()), ctx, [propagate_meta, assign_precision])
+    paint = {n: n.meta["amp_fx.decision"] for n in gm.graph.nodes}
+    kinds = _kinds(gm.graph)
+    problem, free = build_problem(gm, ctx, paint, kinds, _dtypes(gm.graph, paint, kinds, ctx.low))
+    integer = [n for n in gm.graph.nodes if n.meta.get("amp_fx.is_float") is False]
+    assert integer and not set(integer) & (set(problem.weight) | set(free))
+    # x + embed is free but stays fp32 (it feeds layer_norm); ids + 1 and clamp are integer: not free.
+    assert {n.name for n in free} == {"add_1", "expand"}
+
+
+# --------------------------------------------------------------------------
+# Random graphs
+# --------------------------------------------------------------------------
+def _rewritten(seed: int, minimize: bool):
+    gm, example = random_graph(seed, max_ops=10)
+    _Recorder(gm).run(*example)
+    ctx = _context(gm, example, minimize_casts=minimize)
+    return rewrite_graph(gm, ctx, own_params=False)[1], gm, example
+
+
+@pytest.mark.parametrize("first", [0, 100, 200])
+def test_random_graphs_never_cost_more_than_greedy(first):
+    """300 seeded random graphs (three tests of 100): min-cut bytes <= greedy bytes, lint clean, bf16-close to fp32.
+
+    The greedy bytes are the pass's own measurement; every third graph is
+    also converted with minimize_casts=False to check that measurement.
+    """
+    wins = 0
+    for seed in range(first, first + 100):
+        report, converted, example = _rewritten(seed, True)
+        stats = report.passes["minimize_casts"]
+        placed_bytes = report.cast_bytes or 0  # None: no cast at all
+        assert stats["cast_bytes_min_cut"] == placed_bytes <= stats["cast_bytes_greedy"], seed
+        if seed % 3 == 0:
+            assert stats["cast_bytes_greedy"] == (_rewritten(seed, False)[0].cast_bytes or 0), seed
+        converted.graph.lint()
+        _close(converted(*example), random_graph(seed, max_ops=10)[0](*example))
+        wins += placed_bytes < stats["cast_bytes_greedy"]
+        # PROMOTE semantics: a promote op is never repainted.
+        assert all(r.decision == "promote" for r in report.nodes if r.op in ("cat", "addcmul")), seed
+    assert wins >= 3  # the generator does produce graphs that greedy gets wrong
+
+
+def test_random_graphs_second_run_changes_nothing():
+    for seed in range(0, 300, 5):
+        gm, example = random_graph(seed, max_ops=10)
+        _Recorder(gm).run(*example)
+        check(gm, example)
+
+
+def test_min_cut_equals_brute_force_on_the_model():
+    """The cut network encodes the cost model: its optimum equals exhaustive search over the free nodes."""
+    checked = 0
+    for seed in range(120):
+        gm, example = random_graph(seed, max_ops=10)
+        _Recorder(gm).run(*example)
+        ctx = _context(gm, example)
+        gm = run_passes(gm, ctx, [propagate_meta, assign_precision])
+        paint = {n: n.meta["amp_fx.decision"] for n in gm.graph.nodes}
+        kinds = _kinds(gm.graph)
+        problem, _ = build_problem(gm, ctx, paint, kinds, _dtypes(gm.graph, paint, kinds, ctx.low))
+        if not problem.free or len(problem.free) > 10:
+            continue
+        best = min(problem.cost(dict(zip(problem.free, sides))) for sides in itertools.product((0, 1), repeat=len(problem.free)))
+        assert problem.cost(problem.solve()) == best <= problem.cost({}), seed
+        checked += 1
+    assert checked >= 60
+
+
+# --------------------------------------------------------------------------
+# Real models and the pipeline
+# --------------------------------------------------------------------------
+def test_level_defaults_and_pipeline_position():
+    """On by default at O1 (where FOLLOW ops abound), off at O2/O3; it runs right before insert_casts."""
+    assert make_config("O1").minimize_casts and not make_config("O2").minimize_casts
+    assert not make_config("O1", minimize_casts=False).minimize_casts
+    names = [p.__name__ for p in build_pipeline(make_config("O1"), own_params=False)]
+    assert names.index("minimize_casts") == names.index("insert_casts") - 1
+
+
+@pytest.mark.parametrize("name", ["sdpa", "encoder"])
+def test_zoo_transformers_report_their_cast_bytes(name):
+    """The zoo's attention models: greedy (plus dedupe_casts) is already minimal there, and the report says so."""
+    model, example, _ = zoo.build(name)
+    on, off = _measured(model, example, True), _measured(model, example, False)
+    stats = on.amp_report.passes["minimize_casts"]
+    assert stats["cast_bytes_greedy"] == off.amp_report.cast_bytes == stats["cast_bytes_min_cut"] == on.amp_report.cast_bytes
+    assert stats["free_nodes"] > 5 and stats["moved"] == 0
+    assert f"minimize_casts: cast bytes per forward {off.amp_report.cast_bytes:,}" in str(on.amp_report)
+    assert torch.equal(on(*example), off(*example))
+
+
+class BiasMLPBlock(zoo.SDPABlock):
+    """SDPABlock whose MLP layers keep their biases apart (bias-free Linear, then + b), as some checkpoints do."""
+
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__(d, heads)
+        self.mlp_in = nn.Linear(d, 2 * d, bias=False)
+        self.mlp_in_bias = nn.Parameter(torch.randn(2 * d) * 0.1)
+        self.mlp_out = nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp_out(F.gelu(self.mlp_in(self.norm2(x)) + self.mlp_in_bias))
+
+
+def test_transformer_block_with_separate_bias_saves_bytes():
+    """A transformer block where greedy adds a bias in fp32: min-cut casts the (64,) bias, not the (2, 6, 64) activation."""
+    torch.manual_seed(0)
+    model, example = BiasMLPBlock(), zoo.SDPABlock.example()
+    on, off = _measured(model, example, True), _measured(model, example, False)
+    saved = 2 * 6 * 64 * CAST - 64 * CAST
+    assert off.amp_report.cast_bytes - on.amp_report.cast_bytes == saved
+    assert on.amp_report.passes["minimize_casts"]["cast_bytes_saved"] == saved
+    assert on.amp_report.node("add_1").reason == "placed low: min-cut"
+    torch.testing.assert_close(on(*example), model(*example), rtol=0.05, atol=0.05)
