@@ -13,14 +13,20 @@ from typing import Any
 
 import torch
 from torch.fx import Proxy
+from torch.fx.graph import _register_custom_builtin
 
 __all__ = ["amp_cast", "amp_promote", "call_with_params", "HELPERS"]
 
 
 def amp_cast(value: Any, dtype: torch.dtype) -> Any:
-    """Cast ``value`` to ``dtype`` if it is a floating tensor of another dtype; return anything else as is."""
+    """Cast ``value`` to ``dtype`` if it is a floating tensor of another dtype; return anything else as is.
+
+    float64 tensors are returned as they are: autocast does not cast them
+    either (an op reading float64 is not eligible for a lower precision).
+    """
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+        eligible = value.is_floating_point() and value.dtype not in (dtype, torch.float64)
+        return value.to(dtype) if eligible else value
     if isinstance(value, Proxy):
         return _record(amp_cast, (value, dtype), {})
     return value
@@ -64,3 +70,8 @@ def _record(fn: Any, args: tuple, kwargs: dict) -> Proxy:
 
 
 HELPERS = (amp_cast, amp_promote, call_with_params)
+
+# Generated code names the helpers as builtins with an import line, so that
+# GraphModule.to_folder writes a module that imports them.
+for _helper in HELPERS:
+    _register_custom_builtin(_helper.__name__, f"from amp_fx.casts import {_helper.__name__}", _helper)

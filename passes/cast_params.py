@@ -45,7 +45,11 @@ def cast_params(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     keep = norm_tensor_names(gm) if ctx.config.keep_batchnorm_fp32 else set()
     source_dtypes: dict[str, torch.dtype] = ctx.extra.setdefault("source_dtypes", {})
     cast = 0
+    kept_float64 = []
     for name, tensor in list(gm.named_parameters()) + list(gm.named_buffers()):
+        if tensor.dtype == torch.float64:  # never cast, as autocast never casts float64
+            kept_float64.append(name)
+            continue
         if not tensor.is_floating_point() or tensor.dtype == low or name in keep:
             continue
         source_dtypes.setdefault(name, tensor.dtype)
@@ -58,4 +62,9 @@ def cast_params(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             for atom in name.split("."):
                 attr = getattr(attr, atom)
             node.meta["amp_fx.orig_dtype"] = attr.dtype
-    return PassResult(gm, cast > 0, {"tensors_cast": cast, "kept_fp32": len(keep)})
+            if attr.dtype != getattr(node.meta.get("val"), "dtype", attr.dtype):
+                del node.meta["val"]  # a stale fp32 example value would make a later run cast it again
+    stats = {"tensors_cast": cast, "kept_fp32": len(keep), "kept_float64": kept_float64}
+    if kept_float64:
+        stats["report_lines"] = [f"float64 parameters and buffers left in float64: {', '.join(kept_float64)}"]
+    return PassResult(gm, cast > 0, stats)

@@ -18,7 +18,7 @@ from torch.fx.node import map_arg
 from amp_fx import tables
 from amp_fx.cast_nodes import cast_source, cast_target, is_inserted_cast
 from amp_fx.pass_manager import PassContext, PassResult
-from amp_fx.passes.insert_casts import FLOAT_KEY, CastBuilder
+from amp_fx.passes.insert_casts import FLOAT_KEY, CastBuilder, alias_root, mutated_roots
 
 __all__ = ["dedupe_casts"]
 
@@ -61,6 +61,8 @@ def dedupe_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     builder = CastBuilder(graph)
     builder.cache.update(_existing_casts(graph))
     hoisted = 0
+    # A cast hoisted above a view would read its source before an in-place write.
+    mutated = mutated_roots(graph)
     changed = True
     while changed:
         changed = False
@@ -70,7 +72,7 @@ def dedupe_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             view = cast_source(cast)
             source = _single_tensor_view(view) if view is not None else None
             target = cast_target(cast)
-            if source is None or source.meta.get("amp_fx.is_float") is not True:
+            if source is None or source.meta.get("amp_fx.is_float") is not True or alias_root(source) in mutated:
                 continue
             if not _rooted_at_param(source) and (source, target) not in builder.cache:
                 continue

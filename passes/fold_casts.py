@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from amp_fx.cast_nodes import cast_source, cast_target, is_inserted_cast, is_model_cast
 from amp_fx.pass_manager import PassContext, PassResult
-from amp_fx.passes.insert_casts import FLOAT_KEY, float_dtype
+from amp_fx.passes.insert_casts import FLOAT_KEY, alias_root, float_dtype, mutated_roots
 
 __all__ = ["fold_casts"]
 
@@ -29,24 +29,38 @@ def _widens(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.float64)
 
 
+def _narrower_float(node: fx.Node) -> bool:
+    """True when ``node`` is known to be a float tensor that a widening cast may be read through to.
+
+    An integer or bool value (``mask.float()``) must keep the model's cast, and
+    so must float64, which amp_fx never casts.
+    """
+    return node.meta.get("amp_fx.is_float") is True and float_dtype(node) != torch.float64
+
+
 def fold_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Fold chains, drop no-op casts and merge duplicates among the inserted casts."""
     folded = dropped = merged = 0
     seen: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+    # Casts of a value some in-place op writes into are placed around the write: leave them be.
+    mutated = mutated_roots(gm.graph)
     for node in list(gm.graph.nodes):
         if not is_inserted_cast(node):
             continue
         target = cast_target(node)
         source = cast_source(node)
-        if source is None:
+        if source is None or alias_root(source) in mutated:
             continue
         # cast(cast(x)): read x directly, or x itself when it already has the target dtype.
-        while (is_inserted_cast(source) or (is_model_cast(source) and _widens(cast_target(source)))) and cast_source(source) is not None:
+        while cast_source(source) is not None and (
+                is_inserted_cast(source)
+                or (is_model_cast(source) and _widens(cast_target(source)) and _narrower_float(cast_source(source)))):
             inner = source
             source = cast_source(inner)
             node.args = (source,) + tuple(node.args[1:])
             folded += 1
-            if not inner.users:
+            # A cast kept in ``seen`` may still take over later duplicates of itself.
+            if not inner.users and seen.get((cast_source(inner), cast_target(inner))) is not inner:
                 gm.graph.erase_node(inner)
         if float_dtype(source) == target and source.meta.get("amp_fx.is_float") is True:
             _replace(node, source)

@@ -26,9 +26,10 @@ from torch.fx.node import map_arg
 from amp_fx import tables
 from amp_fx.cast_nodes import cast_source, cast_target, is_inserted_cast
 from amp_fx.casts import amp_cast, amp_promote, call_with_params
+from amp_fx.op_keys import CAST_OPS
 from amp_fx.pass_manager import PassContext, PassResult
 
-__all__ = ["insert_casts", "CastBuilder", "float_dtype", "cast_bytes"]
+__all__ = ["insert_casts", "CastBuilder", "float_dtype", "cast_bytes", "alias_root", "mutated_roots"]
 
 FLOAT_KEY = "amp_fx.float_dtype"
 _ELEMENT_SIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float64: 8}
@@ -82,6 +83,28 @@ def _may_be_float_tensor(node: Any) -> bool:
     return isinstance(node, fx.Node) and node.meta.get("amp_fx.is_tensor") is not False and node.meta.get("amp_fx.is_float") is not False
 
 
+def alias_root(node: fx.Node) -> fx.Node:
+    """The value ``node`` may share memory with, walking back through views, casts and in-place ops.
+
+    Views alias their input; a cast to the dtype a tensor already has returns
+    the tensor itself (``x.float()`` on an fp32 ``x``, ``amp_cast``); an
+    in-place op returns the tensor it wrote.  Over-approximating (index_select
+    copies) only costs a cast; missing an alias would read stale values.
+    """
+    while node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node):
+        op = node.meta.get("amp_fx.op")
+        if not (op in tables.DATA_MOVEMENT or op in CAST_OPS or node.meta.get("amp_fx.inplace")):
+            break
+        node = node.args[0]
+    return node
+
+
+def mutated_roots(graph: fx.Graph) -> set[fx.Node]:
+    """Alias roots of the values some in-place op writes into: their casts must not be shared across the write."""
+    return {alias_root(n.args[0]) for n in graph.nodes
+            if n.meta.get("amp_fx.inplace") and n.args and isinstance(n.args[0], fx.Node)}
+
+
 def _after_placeholders(node: fx.Node) -> fx.Node:
     """Insert point right after ``node``, but never among the placeholders."""
     if node.op != "placeholder":
@@ -94,21 +117,32 @@ def _after_placeholders(node: fx.Node) -> fx.Node:
 
 
 class CastBuilder:
-    """Creates and remembers casts so that each (value, dtype) is cast once."""
+    """Creates and remembers casts so that each (value, dtype) is cast once (per in-place write)."""
 
     def __init__(self, graph: fx.Graph):
         self.graph = graph
         self.cache: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
         self.created: list[fx.Node] = []
+        self.writes: dict[fx.Node, fx.Node] = {}  # alias root -> the last in-place op that wrote into it
+        self.kept_float64: list[str] = []
 
     def cast(self, value: fx.Node, dtype: torch.dtype) -> fx.Node:
         """Return a node holding ``value`` cast to ``dtype`` (shared across consumers)."""
         if float_dtype(value) == dtype:
             return value
+        if float_dtype(value) == torch.float64:
+            # As autocast: an op reading float64 is not eligible; the value keeps its precision.
+            if value.name not in self.kept_float64:
+                self.kept_float64.append(value.name)
+            return value
         key = (value, dtype)
         if key in self.cache:
             return self.cache[key]
-        with self.graph.inserting_after(_after_placeholders(value)):
+        anchor = _after_placeholders(value)
+        writer = self.writes.get(alias_root(value))
+        if writer is not None and anchor < writer:
+            anchor = writer  # a cast made before an in-place write would hold stale values
+        with self.graph.inserting_after(anchor):
             if value.meta.get("amp_fx.is_float") is True:
                 cast = self.graph.call_method("to", (value, dtype))
             else:
@@ -117,6 +151,13 @@ class CastBuilder:
         self.cache[key] = cast
         self.created.append(cast)
         return cast
+
+    def note_write(self, writer: fx.Node) -> None:
+        """``writer`` wrote in place into its first argument: readers after it get fresh casts."""
+        root = alias_root(writer.args[0])
+        self.writes[root] = writer
+        for key in [key for key in self.cache if alias_root(key[0]) is root]:
+            del self.cache[key]
 
     @staticmethod
     def _annotate(cast: fx.Node, value: fx.Node, dtype: torch.dtype) -> None:
@@ -264,7 +305,8 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if node.op in ("placeholder", "get_attr"):
             attr_dtype = node.meta.get("amp_fx.orig_dtype") if node.meta.get("amp_fx.is_float") else None
             node.meta[FLOAT_KEY] = attr_dtype if attr_dtype is not None and attr_dtype.is_floating_point else None
-            if decision == "entry":
+            # An input read only by casts (fold_casts reads through entry casts) needs no entry cast.
+            if decision == "entry" and any(not user.meta.get("amp_fx.inserted") for user in node.users):
                 cast = builder.cast(node, low)
                 # Every later reader sees the entry cast, never the raw input.
                 node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
@@ -277,31 +319,42 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         target_dtype = {"low": low, "fp32": torch.float32}.get(decision)
         if decision == "promote":
-            inputs = _float_inputs(node)
+            inputs = list(dict.fromkeys(_float_inputs(node)))
             target_dtype = _promote([float_dtype(n) for n in inputs])
-            if target_dtype is None and len(inputs) > 1:
+            if target_dtype is None and len(inputs) > 1 and not _promoted_already(inputs):
                 _insert_runtime_promote(node, inputs)
                 promote_helpers += 1
+        writer = node if node.meta.get("amp_fx.inplace") and node.args and isinstance(node.args[0], fx.Node) else None
         if target_dtype is not None:
             if node.meta.get("amp_fx.inplace") and decision == "fp32" and float_dtype(node.args[0]) != target_dtype:
-                node = _out_of_place(node, builder, target_dtype).args[1]
+                writer = _out_of_place(node, builder, target_dtype)
+                node = writer.args[1]
             node.args, node.kwargs = map_arg(
                 (node.args, node.kwargs),
                 lambda n: builder.cast(n, target_dtype) if _may_be_float_tensor(n) else n,
             )
             leaf_param_casts += _run_leaf_with_cast_params(gm, node, target_dtype, builder)
-            node.meta[FLOAT_KEY] = _explicit_dtype(node) or target_dtype
+            reads_float64 = any(float_dtype(n) == torch.float64 for n in _float_inputs(node))
+            node.meta[FLOAT_KEY] = _explicit_dtype(node) or (_follow_dtype(node) if reads_float64 else target_dtype)
         else:
             node.meta[FLOAT_KEY] = _follow_dtype(node)
         _infer_is_float(node)
+        if writer is not None:
+            builder.note_write(writer)
     created = builder.created
     weight_casts = sum(1 for c in created if c.meta.get("amp_fx.weight_cast"))
-    return PassResult(
-        gm,
-        bool(created) or promote_helpers > 0,
-        {"casts_inserted": len(created), "weight_casts": weight_casts, "runtime_promotes": promote_helpers,
-         "leaf_param_casts": leaf_param_casts, "entry_casts": len(entry_casts)},
-    )
+    stats = {"casts_inserted": len(created), "weight_casts": weight_casts, "runtime_promotes": promote_helpers,
+             "leaf_param_casts": leaf_param_casts, "entry_casts": len(entry_casts), "float64_kept": builder.kept_float64}
+    if builder.kept_float64:
+        stats["report_lines"] = [f"float64 values left in float64, never cast (as under autocast): {', '.join(builder.kept_float64)}"]
+    return PassResult(gm, bool(created) or promote_helpers > 0, stats)
+
+
+def _promoted_already(inputs: list[fx.Node]) -> bool:
+    """True when ``inputs`` are the items of one :func:`amp_promote` (a second run adds none)."""
+    sources = {n.args[0] if n.op == "call_function" and n.target is operator.getitem else None for n in inputs}
+    source = next(iter(sources))
+    return len(sources) == 1 and isinstance(source, fx.Node) and source.target is amp_promote
 
 
 def _insert_runtime_promote(node: fx.Node, inputs: list[fx.Node]) -> None:
