@@ -26,20 +26,17 @@ import logging
 import math
 from collections import abc
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from .collapse import ON_COLLAPSE, LossScaleCollapseError, collapse_error
 from .overflow import check_and_unscale_, combined_found_inf, grads_of
 from .scaler_state import LossScalerStateError, ScalerStateMixin, _fp32
 
 __all__ = ["LossScaler", "LossScaleCollapseError", "LossScalerStateError"]
 
 logger = logging.getLogger("amp_fx.runtime")
-
-
-class LossScaleCollapseError(RuntimeError):
-    """Gradients still overflow at the minimum loss scale: fp16 cannot train this as is."""
 
 
 class _Default:
@@ -86,6 +83,14 @@ class LossScaler(ScalerStateMixin):
         skip_nonfinite: skip steps with inf/NaN gradients even when not scaling.
         log_every: log a summary of skipped steps (to ``amp_fx.runtime``) at the
             first skip and then at most once per ``log_every`` skips.
+        on_collapse: ``"raise"`` (default) raises :class:`LossScaleCollapseError`
+            when the scale collapses; ``"diagnose"`` also calls ``reproduce()``
+            and runs :func:`amp_fx.find_overflow` on that step, putting the
+            node that overflowed (and the policy that pins it) in the error.
+        reproduce: for ``on_collapse="diagnose"``: a function with no
+            arguments returning ``(converted_module, inputs[, target[,
+            loss_fn]])`` (or an ``amp_fx.overflow.ReproStep``) for one step;
+            keep the last batch and return it.
         level: the opt level this scaler serves (e.g. ``"O2"``); stored in
             :meth:`state_dict`, and a state saved for another level is refused.
     """
@@ -106,6 +111,8 @@ class LossScaler(ScalerStateMixin):
         skip_nonfinite: bool = True,
         log_every: int = 100,
         level: str | None = None,
+        on_collapse: str = "raise",
+        reproduce: Callable[[], Any] | None = None,
     ) -> None:
         if dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"dtype must be float16, bfloat16, float32 or None, got {dtype}")
@@ -138,6 +145,15 @@ class LossScaler(ScalerStateMixin):
                         f"init_scale {init_scale} is outside [min_scale, max_scale] = "
                         f"[{min_scale}, {max_scale}]"
                     )
+        if on_collapse not in ON_COLLAPSE:
+            raise ValueError(f"on_collapse must be one of {ON_COLLAPSE}, got {on_collapse!r}")
+        if on_collapse == "diagnose" and reproduce is None:
+            raise ValueError(
+                "on_collapse='diagnose' needs reproduce=: a function with no arguments returning "
+                "(converted_module, inputs[, target[, loss_fn]]) for a step that overflows"
+            )
+        self._on_collapse = on_collapse
+        self._reproduce = reproduce
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {log_every}")
         self._init_scale = _fp32(float(init_scale))
@@ -382,16 +398,8 @@ class LossScaler(ScalerStateMixin):
         if self._overflow_streak < self._hysteresis:
             return
         if self._min_scale is not None and self._loss_scale <= self._min_scale:
-            raise LossScaleCollapseError(
-                f"loss scale collapsed: gradients still hold inf/NaN at min_scale="
-                f"{self._min_scale} ({self._overflow_streak} overflowing iterations in a row), "
-                "so float16 cannot represent this model's gradients. Try: train in bfloat16, "
-                "which needs no loss scaling (convert with dtype=torch.bfloat16 and use "
-                "LossScaler(dtype=torch.bfloat16)); or pin the overflowing ops to fp32 through "
-                "the policy, e.g. amp_fx.convert(model, policy={\"module:<name>\": \"fp32\"}); "
-                "or lower min_scale. If the loss itself is inf/NaN, no scale can help: check "
-                "the data and the learning rate."
-            )
+            raise collapse_error(self._min_scale, self._overflow_streak, self._loss_scale,
+                                 self._on_collapse, self._reproduce)
         backed_off = _fp32(self._loss_scale * self._backoff_factor)
         if self._min_scale is not None:
             backed_off = max(backed_off, self._min_scale)
