@@ -24,6 +24,8 @@ _LAZY = {
     "scale_loss": "amp_fx.apex",
     "state_dict": "amp_fx.apex",
     "load_state_dict": "amp_fx.apex",
+    "master_params": "amp_fx.apex",
+    "loss_scalers": "amp_fx.apex",
     # compiler backend
     "backend": "amp_fx.backend",
     "last_report": "amp_fx.backend",

@@ -1,0 +1,60 @@
+"""DistributedDataParallel around converted modules: 2 processes on gloo (CPU), both APIs.
+
+One spawn runs every configuration (spawning costs seconds). What it checks:
+
+- both ranks end with bit-identical weights;
+- the first step's gradients equal one process's on the concatenated batch,
+  to the rounding of the dtype the gradients are computed in (the two
+  halves are reduced in another order, so not bit for bit; at O0 to fp32
+  rounding), and the weights
+  after every step land within the recipes' tolerance of that run;
+- an inf produced in rank 1's backward at step 2 reaches DDP's gradient
+  all-reduce, so *every* rank's scaler sees it and skips step 2 (no extra
+  collective is needed to keep the ranks' skip decisions in step).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples"))
+
+import _common  # noqa: E402
+import recipe_ddp  # noqa: E402
+
+CONFIGS = (("O0", torch.bfloat16), ("O2", torch.float16), ("O3", torch.bfloat16))
+INJECT = (1, 2, "inf")  # rank 1, step 2
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_ddp_matches_one_process_and_every_rank_skips_the_same_step():
+    ranks = recipe_ddp.run_ddp(steps=4, inject=INJECT, configs=CONFIGS)
+    single = recipe_ddp.run_single(steps=4, skip_step=INJECT[1], configs=CONFIGS)
+    assert set(ranks[0]) == set(single) and len(single) == 2 * len(CONFIGS)
+    for (api, level, dtype_name), one in single.items():
+        dtype = getattr(torch, dtype_name.replace("torch.", ""))
+        r0, r1 = ranks[0][(api, level, dtype_name)], ranks[1][(api, level, dtype_name)]
+        where = f"{api} {level} {dtype_name}"
+        assert r0["skipped"] == r1["skipped"] == one["skipped"] == [INJECT[1]], where
+        assert all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"]), where
+        assert all(torch.isfinite(w).all() for w in r0["weights"].values()), where
+        # Gradients of step 0: the average of the two halves' against the whole batch's, within an ulp
+        # of the largest (a few at O3, whose backward also sums over the batch in the low dtype).
+        ulps = 1e-6 if level == "O0" else torch.finfo(dtype).eps * (4 if level == "O3" else 1)
+        for name, grad in one["grads"].items():
+            bound = ulps * grad.abs().max().item()
+            assert (r0["grads"][name] - grad).abs().max().item() <= bound, f"{where} {name}"
+        tol = 1e-6 if level == "O0" else _common.tolerance(level, dtype)
+        assert _common.max_diff(r0["weights"], one["weights"]) <= tol, where
