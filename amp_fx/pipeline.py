@@ -13,7 +13,10 @@ from amp_fx.passes.assign_precision import assign_precision
 from amp_fx.passes.cast_params import cast_params
 from amp_fx.passes.dedupe_casts import dedupe_casts
 from amp_fx.passes.fold_casts import fold_casts
+from amp_fx.passes.honour_autocast_regions import honour_autocast_regions
 from amp_fx.passes.insert_casts import insert_casts
+from amp_fx.passes.minimize_casts import minimize_casts
+from amp_fx.passes.pad_gemm import pad_gemm
 from amp_fx.passes.propagate_meta import propagate_meta
 
 __all__ = ["build_pipeline", "rewrite_graph"]
@@ -27,10 +30,17 @@ def build_pipeline(config: AmpConfig, *, own_params: bool) -> list[AmpPass]:
     """
     if config.op_mode == "none":
         return [propagate_meta]
-    pipeline: list[AmpPass] = [propagate_meta, assign_precision]
+    # honour_autocast_regions repaints ops inside a Dynamo graph's own
+    # torch.autocast regions; it changes nothing in graphs without them.
+    pipeline: list[AmpPass] = [propagate_meta, assign_precision, honour_autocast_regions]
     if config.cast_params and own_params:
         pipeline.append(cast_params)
+    if config.minimize_casts:
+        pipeline.append(minimize_casts)
     pipeline += [insert_casts, dedupe_casts, fold_casts]
+    if config.pad_gemm is not False:
+        # "auto" pads on CUDA only; the pass finds the device and says so in the report.
+        pipeline.append(pad_gemm)
     return pipeline
 
 
