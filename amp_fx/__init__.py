@@ -6,6 +6,9 @@ returns a GraphModule with a report of every decision.
 """
 
 from amp_fx.api import convert
+# Imported eagerly: ``amp_fx.backend`` names both this function and its
+# module, and importing the module later must not rebind the package name.
+from amp_fx.backend import backend, last_report
 from amp_fx.config import AmpConfig, LEVELS
 from amp_fx.errors import AlreadyConvertedError, AmpError, BannedOpError, UnknownOpError
 from amp_fx.graph_module import AmpGraphModule
@@ -26,9 +29,6 @@ _LAZY = {
     "load_state_dict": "amp_fx.apex",
     "master_params": "amp_fx.apex",
     "loss_scalers": "amp_fx.apex",
-    # compiler backend
-    "backend": "amp_fx.backend",
-    "last_report": "amp_fx.backend",
     # views and debugging tools
     "diff": "amp_fx.views",
     "to_networkx": "amp_fx.views",
@@ -51,6 +51,8 @@ def __getattr__(name: str):
 
 
 __all__ = [*_LAZY,
+    "backend",
+    "last_report",
     "convert",
     "AmpConfig",
     "LEVELS",

@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import logging
 import sys
-import types
 import weakref
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -316,19 +315,3 @@ def last_report() -> Optional[CompiledReport]:
     backend object: ``be = amp_fx.backend(...); torch.compile(m, backend=be); ...; be.report``.
     """
     return _LAST[0]
-
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as :func:`backend`.
-
-    ``amp_fx.backend`` names both this module and the function: once the module
-    is imported (the entry point imports it), Python binds the package
-    attribute ``amp_fx.backend`` to the module, so the module itself must
-    answer ``amp_fx.backend(level=..., inner=...)``.
-    """
-
-    def __call__(self, *args: Any, **kwargs: Any) -> AmpBackend:
-        return backend(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -55,14 +55,17 @@ def _level_decision(node: fx.Node, op: str, ctx: PassContext) -> tuple[str, str,
     category = tables.table_of(op)
     if category == "banned":
         if config.allow_banned:
-            return "fp32", f"banned op allowed in fp32 (allow_banned=True)", "banned"
+            return "fp32", "banned op allowed in fp32 (allow_banned=True)", "banned"
         raise BannedOpError(f"{tables.BANNED[op]}\n  ({_where(node)})")
     if config.op_mode == "all_low":
         level = config.level
         if op in _STAT_NORMS and config.keep_batchnorm_fp32:
             return "fp32", f"{level}: normalisation kept fp32 (keep_batchnorm_fp32=True)", "level"
-        if op in _FOLLOWING_NORMS:
+        if op in _FOLLOWING_NORMS and config.keep_batchnorm_fp32:
             return "follow", f"{level}: batch norm follows its input", "level"
+        if op in _FOLLOWING_NORMS:
+            # Its parameters are low too: CPU kernels refuse an fp32 input beside them.
+            return "low", f"{level}: batch norm runs low with its low parameters (keep_batchnorm_fp32=False)", "level"
         if op in tables.DATA_MOVEMENT:
             return "follow", f"{level}: data movement follows its input", "level"
         return "low", f"{level}: whole graph in low precision", "level"

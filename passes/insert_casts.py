@@ -336,6 +336,8 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             leaf_param_casts += _run_leaf_with_cast_params(gm, node, target_dtype, builder)
             reads_float64 = any(float_dtype(n) == torch.float64 for n in _float_inputs(node))
             node.meta[FLOAT_KEY] = _explicit_dtype(node) or (_follow_dtype(node) if reads_float64 else target_dtype)
+        elif writer is not None:
+            node.meta[FLOAT_KEY] = float_dtype(node.args[0])  # x.add_(y) keeps x's dtype, whatever y is
         else:
             node.meta[FLOAT_KEY] = _follow_dtype(node)
         _infer_is_float(node)
