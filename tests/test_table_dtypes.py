@@ -6,7 +6,6 @@ FOLLOW -> its input's dtype; BANNED -> refused (fp32 with allow_banned=True).
 
 from __future__ import annotations
 
-import operator
 import warnings
 
 import pytest

@@ -1,7 +1,6 @@
 """The op tables are valid data, and op_keys maps every spelling of an op to one canonical name."""
 
 import itertools
-import operator
 
 import pytest
 import torch

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import amp_fx
-import zoo
 
 transformers = pytest.importorskip("transformers")
 
