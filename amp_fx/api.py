@@ -32,12 +32,24 @@ def _check_model(model: Any) -> None:
             f"amp_fx.convert expects a torch.nn.Module, got {type(model).__name__}. "
             "Wrap a function in an nn.Module whose forward calls it."
         )
-    for tensor in list(model.parameters()) + list(model.buffers()):
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if tensor.device.type == "meta":
             raise ValueError(
-                "the model has parameters on the meta device (no data to cast). "
+                f"the model has parameters on the meta device ({name!r} is one: no data to cast). "
                 "Materialise it first (model.to_empty(device=...) and load its weights), then convert."
             )
+
+
+def _tensor_notes(model: nn.Module) -> list[str]:
+    """Report notes on parameters and buffers that amp_fx leaves as they are."""
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    notes = []
+    kept = [f"{name} ({str(t.dtype).replace('torch.', '')})" for name, t in tensors if t.dtype == torch.float64 or t.is_complex()]
+    if kept:
+        notes.append(f"never cast, as under autocast (float64 and complex tensors): {', '.join(kept)}")
+    if tensors and not any(t.is_floating_point() for _, t in tensors):
+        notes.append("the model has no floating-point parameters or buffers: only activations are converted")
+    return notes
 
 
 def _copy_missing_state(gm: fx.GraphModule, model: nn.Module) -> None:
@@ -145,7 +157,7 @@ def convert(
                       example_inputs=tuple(example_inputs) if example_inputs is not None else None,
                       example_kwarg_inputs=dict(example_kwarg_inputs) if example_kwarg_inputs else None,
                       route=route)
-    notes = []
+    notes = _tensor_notes(model)
     if route == "torch.export":
         notes.append("traced with torch.export: the module's train/eval mode at conversion is part of the graph")
     gm, report = rewrite_graph(gm, ctx, own_params=owns_params, notes=notes)

@@ -28,10 +28,9 @@ full result is ``converted.amp_calibration``.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -45,6 +44,7 @@ from amp_fx.overflow import (
     LOW_DTYPES, TwinRun, pin_targets, float_tensors, max_abs, nonfinite_count, plain_containers, value_dtype,
 )
 from amp_fx.policy import Policy
+from amp_fx.passes.propagate_meta import eval_mode
 
 __all__ = ["calibrate", "CalibrationResult", "Finding"]
 
@@ -103,16 +103,6 @@ class _Stats:
     error: Optional[float] = None  # local relative error (low-precision compute ops only)
 
 
-@contextlib.contextmanager
-def _eval_mode(module: nn.Module) -> Iterator[None]:
-    # Dropout off and batch-norm statistics untouched; the modules are shared with the user's model.
-    flags = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        yield
-    finally:
-        for m, flag in flags:
-            m.training = flag
 
 
 def _relative_error(low: Any, ref: Any) -> float:
@@ -149,7 +139,7 @@ def _local_error(run: TwinRun, node: fx.Node, twin: Any) -> float:
 
 def _measure(gm: fx.GraphModule, batches: list[tuple]) -> dict[str, _Stats]:
     stats: dict[str, _Stats] = {}
-    with _eval_mode(gm), torch.no_grad():
+    with eval_mode(gm), torch.no_grad():
         for batch in batches:
             run = TwinRun(gm, batch)
             for node, low, twin in run.steps():

@@ -55,7 +55,9 @@ def call_with_params(module: torch.nn.Module, params: dict, *args: Any, **kwargs
     """Run ``module`` with some parameters replaced (their low-precision casts) for this call only."""
     if any(isinstance(a, Proxy) for a in (*args, *kwargs.values(), *params.values())):
         return _record(call_with_params, (module, params, *args), kwargs)
-    return torch.func.functional_call(module, params, args, kwargs)
+    # A copy: fx.Interpreter (torch.export, FakeTensorProp) passes the node's immutable dict,
+    # which functional_call updates.
+    return torch.func.functional_call(module, dict(params), args, kwargs)
 
 
 def _record(fn: Any, args: tuple, kwargs: dict) -> Proxy:

@@ -11,18 +11,17 @@ shapes recorded on the graph inputs; without either, those figures are
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from amp_fx.cast_nodes import is_inserted_cast
 from amp_fx.overflow import plain_containers
 from amp_fx.report import ConversionReport, build_report
+from amp_fx.passes.propagate_meta import eval_mode
 
 __all__ = ["summary", "Summary"]
 
@@ -127,15 +126,6 @@ def _by_dtype(tensors: Sequence[torch.Tensor]) -> dict[str, dict[str, int]]:
     return out
 
 
-@contextlib.contextmanager
-def _eval_mode(module: nn.Module) -> Iterator[None]:
-    flags = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        yield
-    finally:
-        for m, flag in flags:
-            m.training = flag
 
 
 def _inputs_from_meta(gm: fx.GraphModule) -> Optional[list]:
@@ -179,7 +169,7 @@ def _measure(gm: fx.GraphModule, inputs: Optional[Sequence[Any]], out: Summary) 
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        with _eval_mode(gm), mode:
+        with eval_mode(gm), mode:
             args = list(inputs) if inputs is not None else _inputs_from_meta(gm)
             if args is None:
                 return

@@ -64,7 +64,4 @@ def cast_params(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             node.meta["amp_fx.orig_dtype"] = attr.dtype
             if attr.dtype != getattr(node.meta.get("val"), "dtype", attr.dtype):
                 del node.meta["val"]  # a stale fp32 example value would make a later run cast it again
-    stats = {"tensors_cast": cast, "kept_fp32": len(keep), "kept_float64": kept_float64}
-    if kept_float64:
-        stats["report_lines"] = [f"float64 parameters and buffers left in float64: {', '.join(kept_float64)}"]
-    return PassResult(gm, cast > 0, stats)
+    return PassResult(gm, cast > 0, {"tensors_cast": cast, "kept_fp32": len(keep), "kept_float64": kept_float64})

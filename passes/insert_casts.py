@@ -64,9 +64,21 @@ _FLOAT_PRESERVING = (frozenset(tables.FOLLOW) | tables.DATA_MOVEMENT) - {
 }
 
 
+def _complex_input(node: fx.Node) -> Optional[torch.dtype]:
+    """The complex dtype of an input known to be complex (a complex parameter or buffer), if any."""
+    dtypes: list[torch.dtype] = []
+    map_arg((node.args, node.kwargs), lambda n: dtypes.append(n.meta.get("amp_fx.orig_dtype")))
+    return next((d for d in dtypes if d is not None and d.is_complex), None)
+
+
 def _infer_is_float(node: fx.Node) -> None:
     """Fill in ``amp_fx.is_float`` where the op tells even though the inputs are unknown."""
     if node.meta.get("amp_fx.is_float") is not None:
+        return
+    complex_dtype = _complex_input(node)
+    if complex_dtype is not None:
+        # ``h * phase`` with a complex phase is complex: never a float, never cast (``.to(fp32)`` drops the imaginary part).
+        node.meta.update({"amp_fx.is_float": False, "amp_fx.orig_dtype": complex_dtype, FLOAT_KEY: None})
         return
     op = node.meta.get("amp_fx.op")
     if op in _FLOAT_RESULT and node.meta.get("amp_fx.decision") in ("low", "fp32"):

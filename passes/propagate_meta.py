@@ -29,7 +29,7 @@ from amp_fx.op_keys import canonical_op, is_inplace
 from amp_fx.pass_manager import PassContext, PassResult
 from amp_fx.tracing import module_stack_of, user_frame
 
-__all__ = ["propagate_meta", "example_value", "NON_TENSOR_METHODS"]
+__all__ = ["propagate_meta", "example_value", "eval_mode", "NON_TENSOR_METHODS"]
 
 # Ops whose result is never a tensor (shapes, sizes, dtypes).
 NON_TENSOR_METHODS = frozenset({"size", "dim", "numel", "ndimension", "nelement", "stride", "is_floating_point", "item", "tolist"})
@@ -44,7 +44,7 @@ def example_value(node: fx.Node) -> Any:
 
 
 @contextlib.contextmanager
-def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
+def eval_mode(module: torch.nn.Module) -> Iterator[None]:
     """Run in eval mode and restore every submodule's flag (so propagation updates no statistics)."""
     flags = [(m, m.training) for m in module.modules()]
     module.eval()
@@ -66,7 +66,7 @@ def _fake_propagate(gm: fx.GraphModule, ctx: PassContext) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _eval_mode(gm):
+    with eval_mode(gm):
         FakeTensorProp(gm, mode).propagate(*args)
 
 
