@@ -43,13 +43,6 @@ def loss_of(module, x, y):
     return F.mse_loss(module(x).float(), y)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 # ------------------------------------------------------------- structure
 def test_returns_what_it_was_given_in_the_same_structure():

@@ -30,13 +30,6 @@ CONFIGS = (("O0", torch.bfloat16), ("O2", torch.float16), ("O3", torch.bfloat16)
 INJECT = (1, 2, "inf")  # rank 1, step 2
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.mark.slow
 def test_ddp_matches_one_process_and_every_rank_skips_the_same_step():

@@ -31,13 +31,6 @@ from _common import make_batches, make_net, poison_  # noqa: E402
 FP16 = torch.float16
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def snapshot(gm, model, optimizer):
     """Everything a step may change: the module's params, the masters, the optimizer's state."""

@@ -36,14 +36,6 @@ LEVEL_DTYPES = [("O0", torch.bfloat16), ("O1", torch.bfloat16), ("O1", torch.flo
 IDS = [f"{level}-{str(dtype)[6:]}" for level, dtype in LEVEL_DTYPES]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: one thread is fastest, and fixes the fp32 reduction order the O0 checks rely on.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def check(level, dtype, reference, initial, runs, inject_skips, apis_identical=True):
     """The checks every recipe shares (see the module docstring)."""
