@@ -9,7 +9,8 @@ parameters become the master weights (``converted.amp_fx_masters``).
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping, Optional, Sequence, Union
+import functools
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -21,7 +22,7 @@ from amp_fx.graph_module import AmpGraphModule
 from amp_fx.pass_manager import PassContext
 from amp_fx.pipeline import rewrite_graph
 from amp_fx.policy import Policy
-from amp_fx.tracing import trace_model
+from amp_fx.tracing import _TRACE_LOCK, trace_model
 
 __all__ = ["convert"]
 
@@ -93,6 +94,18 @@ def _reconvert(model: AmpGraphModule, config: AmpConfig) -> AmpGraphModule:
     return result
 
 
+def _one_at_a_time(fn: Callable) -> Callable:
+    """Run ``fn`` under the tracing lock: while one thread traces, no other may run a module (see tracing.py)."""
+
+    @functools.wraps(fn)
+    def locked(*args: Any, **kwargs: Any) -> Any:
+        with _TRACE_LOCK:
+            return fn(*args, **kwargs)
+
+    return locked
+
+
+@_one_at_a_time
 def convert(
     model: nn.Module,
     level: str = "O1",

@@ -42,7 +42,9 @@ DEFAULT_LEAF_TYPES: tuple[type, ...] = (
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _AMP_FX_DIR = os.path.dirname(__file__)
-_TRACE_LOCK = threading.Lock()
+# fx tracing patches torch.nn.Module.__call__/__getattr__ for every thread: convert() holds this
+# lock throughout, so a conversion in one thread never runs a module while another traces.
+_TRACE_LOCK = threading.RLock()
 
 
 class AmpTraceError(RuntimeError):

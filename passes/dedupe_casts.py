@@ -77,6 +77,8 @@ def dedupe_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             if not _rooted_at_param(source) and (source, target) not in builder.cache:
                 continue
             source_cast = builder.cast(source, target)
+            if cast < source_cast:  # insert_casts sank it to its first reader: the view is read earlier
+                cast.prepend(source_cast)
             with graph.inserting_before(cast):
                 new_view = graph.node_copy(view, lambda n: source_cast if n is source else n)
             new_view.meta = dict(view.meta)

@@ -71,6 +71,10 @@ def _complex_input(node: fx.Node) -> Optional[torch.dtype]:
     return next((d for d in dtypes if d is not None and d.is_complex), None)
 
 
+# Data movement keeps its first input's dtype (F.embedding's data is its second input).
+_KEEPS_FIRST_DTYPE = tables.DATA_MOVEMENT - {"embedding", "embedding_bag", "one_hot"}
+
+
 def _infer_is_float(node: fx.Node) -> None:
     """Fill in ``amp_fx.is_float`` where the op tells even though the inputs are unknown."""
     if node.meta.get("amp_fx.is_float") is not None:
@@ -238,6 +242,11 @@ def _follow_dtype(node: fx.Node) -> Optional[torch.dtype]:
         target = _cast_target(node)
         if target is not None:
             return target
+    source = node.args[0] if node.args else None
+    if (node.meta.get("amp_fx.op") in _KEEPS_FIRST_DTYPE and isinstance(source, fx.Node)
+            and source.meta.get("amp_fx.is_tensor") is not False and not source.meta.get("amp_fx.container")):
+        # x.gather(1, idx), x[idx], x.expand_as(y): the index (or shape) tensor takes no part in the dtype.
+        return float_dtype(source)
     inputs = _float_inputs(node)
     containers: list[fx.Node] = []
     others: list[fx.Node] = []
@@ -356,12 +365,36 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if writer is not None:
             builder.note_write(writer)
     created = builder.created
+    _sink_to_first_reader(created, entry_casts)
     weight_casts = sum(1 for c in created if c.meta.get("amp_fx.weight_cast"))
     stats = {"casts_inserted": len(created), "weight_casts": weight_casts, "runtime_promotes": promote_helpers,
              "leaf_param_casts": leaf_param_casts, "entry_casts": len(entry_casts), "float64_kept": builder.kept_float64}
     if builder.kept_float64:
         stats["report_lines"] = [f"float64 values left in float64, never cast (as under autocast): {', '.join(builder.kept_float64)}"]
     return PassResult(gm, bool(created) or promote_helpers > 0, stats)
+
+
+def _sink_to_first_reader(casts: list[fx.Node], keep: list[fx.Node]) -> None:
+    """Move each new cast of a graph input or parameter to just before its first reader.
+
+    Such casts are first placed after the last placeholder, which in a Dynamo
+    or torch.export graph (parameters are placeholders there) is the top of
+    the graph.  Autograd runs a cast's backward (the low gradient cast back
+    to fp32) in reverse forward order, so a cast at the top casts its
+    gradient last: every parameter's low-precision gradient then stays alive
+    until the end of backward.  Just before its reader, as autocast casts,
+    each gradient is cast and freed as soon as it is made (the compiled
+    GPT's step peak drops by the size of its bf16 gradients).  Safe: a cast is
+    made for its first reader, after any in-place write to its source, and
+    its readers all come before the next write (which gets a new cast).
+    Entry casts (``keep``) stay where they are: every reader sees them.
+    """
+    kept = set(keep)
+    for cast in casts:
+        source = cast_source(cast)
+        if cast in kept or source is None or source.op not in ("placeholder", "get_attr") or not cast.users:
+            continue
+        min(cast.users).prepend(cast)
 
 
 def _promoted_already(inputs: list[fx.Node]) -> bool:
