@@ -1,0 +1,185 @@
+"""What ``examples/benchmark.py`` measures: step time in interleaved rounds, peak memory, cast kernels.
+
+Timing.  Shared machines change speed several-fold for minutes at a time,
+so absolute times from different moments do not compare.  Modes are run in
+*rounds*: each round runs every mode for ``repeats`` steps (in a rotated
+order, so no mode always follows the same neighbour), and each mode's time
+in a round is divided by its baseline's time *in the same round*.  The
+reported ratio is the median of those per-round ratios; its spread is the
+range between the lower and upper quartile of them.
+
+Peak memory.  On CUDA: ``torch.cuda.max_memory_allocated`` over one step.
+On CPU no allocator keeps a peak, and ``tracemalloc`` cannot see tensor
+storage, so :func:`cpu_profile` runs one step under
+``torch.profiler`` with ``profile_memory=True``, which records every
+allocation and free of the CPU allocator (activations, gradients, casts,
+temporaries inside kernels, optimizer scratch), and takes the largest
+running sum: the step's transient peak above what was live when it began.
+The table adds the bytes the training state holds when the step begins
+(parameters, buffers, optimizer state, fp32 masters: :func:`state_bytes`),
+so that O2's second copy of the weights counts against it.  Gradients are
+set to None before the step, so they count in the transient part.
+
+GEMM share.  The same profiled CPU steps split op self time into matrix
+multiplies, convolutions and attention kernels -- work that autocast and
+amp_fx do identically (same kernels, shapes and dtypes) -- and everything
+else: casts, elementwise ops, norms, autograd bookkeeping, the optimizer and
+the scaler, which is the part of a step amp_fx can change.  The table gives
+the GEMM share and the ratio of the "other" time to the baseline's (median
+over interleaved profiled rounds).
+
+Casts.  :class:`CastCounter` is a ``TorchDispatchMode`` that counts the
+kernels that change a tensor's floating dtype: ``aten._to_copy`` (what
+``.to``/``.float()``/autocast's casts become), ``aten.copy_`` between
+dtypes, ``prims.convert_element_type`` -- in forward, backward and the
+optimizer step alike.  Compiled modes are not counted: their casts are
+fused into generated kernels and never reach the dispatcher.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["CastCounter", "cpu_profile", "profile_step", "is_gemm", "state_bytes", "RoundTimer", "ModeStats", "spread"]
+
+
+class CastCounter(TorchDispatchMode):
+    """Count dtype-changing kernels (and the bytes they write) while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.bytes = 0
+        self.by_op: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = getattr(func, "overloadpacket", None)
+        name = getattr(packet, "__name__", str(func))
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        changed = None
+        if name in ("_to_copy", "to", "convert_element_type") and isinstance(out, torch.Tensor) and source is not None:
+            changed = out if out.dtype != source.dtype else None
+        elif name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            changed = args[0] if args[0].dtype != args[1].dtype else None
+        if changed is not None:
+            self.count += 1
+            self.bytes += changed.numel() * changed.element_size()
+            self.by_op[name] = self.by_op.get(name, 0) + 1
+        return out
+
+
+def state_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (shared and tied tensors counted once)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_int_mm")
+
+
+def is_gemm(name: str) -> bool:
+    """True for the matrix-multiply, convolution and attention kernels (the GEMM-bound work of a step)."""
+    return name in _GEMM_OPS or "scaled_dot_product" in name or ("conv" in name and "convert" not in name)
+
+
+def cpu_profile(fn: Callable[[], Any]) -> tuple[int, float, float]:
+    """Run ``fn`` once under the profiler; return its transient peak bytes, GEMM seconds and other op seconds.
+
+    The peak is the largest running sum of the CPU allocator's allocations and
+    frees while ``fn`` runs.  GEMM seconds are the self time of GEMM,
+    convolution and attention kernels; other seconds the self time of every
+    other op (the profiler adds a little to each op, so these are inflated
+    alike in every mode; they compare across modes, not with the timed steps).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and _is_cpu_event(e)]
+    events.sort(key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    averages = prof.key_averages()
+    total = sum(a.self_cpu_time_total for a in averages) / 1e6
+    gemm = sum(a.self_cpu_time_total for a in averages if is_gemm(a.key)) / 1e6
+    return peak, gemm, total - gemm
+
+
+def _is_cpu_event(event: Any) -> bool:
+    device_type = event.device_type()
+    return getattr(device_type, "name", str(device_type)).upper().endswith("CPU")
+
+
+def profile_step(fn: Callable[[], Any], device: str) -> tuple[int, float, float]:
+    """Transient peak bytes of ``fn`` above what was allocated when it began, GEMM and other op seconds (NaN on CUDA)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start, float("nan"), float("nan")
+    return cpu_profile(fn)
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """Lower and upper quartile of ``values`` (the middle half of the rounds)."""
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (float("nan"), float("nan"))
+    ordered = sorted(values)
+    q = statistics.quantiles(ordered, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+@dataclass
+class ModeStats:
+    """Per-mode timings: one median step time per round."""
+
+    per_round: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.per_round)
+
+
+class RoundTimer:
+    """Time named step functions in interleaved rounds; ratios are taken within a round."""
+
+    def __init__(self, steps: dict[str, Callable[[], Any]], sync: Callable[[], None] = lambda: None):
+        self.steps = steps
+        self.sync = sync
+        self.stats = {name: ModeStats() for name in steps}
+
+    def run(self, rounds: int, repeats: int, on_round: Optional[Callable[[int], None]] = None) -> None:
+        names = list(self.steps)
+        for r in range(rounds):
+            shift = r % len(names)
+            for name in names[shift:] + names[:shift]:  # rotate: no mode always runs after the same one
+                times = []
+                for _ in range(repeats):
+                    self.sync()
+                    start = time.perf_counter()
+                    self.steps[name]()
+                    self.sync()
+                    times.append(time.perf_counter() - start)
+                self.stats[name].per_round.append(statistics.median(times))
+            if on_round is not None:
+                on_round(r)
+
+    def ratios(self, name: str, baseline: str) -> list[float]:
+        """``name``'s step time over ``baseline``'s, one value per round."""
+        return [a / b for a, b in zip(self.stats[name].per_round, self.stats[baseline].per_round)]

@@ -1,0 +1,261 @@
+"""Benchmark amp_fx against torch.autocast: training-step time, peak memory, cast kernels, convert time.
+
+Run from a checkout::
+
+    python examples/benchmark.py --quick                  # tiny sizes, all modes, < 2 min on 2 cores
+    python examples/benchmark.py                          # full sizes, CPU bf16, inductor, 1 thread
+    python examples/benchmark.py --model transformer --no-compile --rounds 15
+    python examples/benchmark.py --device cuda --dtype fp16
+
+For every model (MLP, CNN with BatchNorm, transformer encoder, GPT decoder
+with tied embeddings) and every mode (fp32, torch.autocast, amp_fx O1/O2/O3
+eager; torch.compile fp32, + autocast, backend="amp_fx", of convert(O2)) it
+prints one table: median step time; the ratio to autocast in the same world
+(eager or compiled; median of per-round ratios and its quartiles); the
+share of op time in GEMM/convolution/attention kernels, which autocast and
+amp_fx run identically, and the ratio of the rest to autocast's; peak memory
+of the step; cast kernels per step; convert and compile time.  Each table is
+followed by the issue-7 targets that apply to it, met or missed.  How the
+figures are taken is documented in ``bench_measure`` (timing, memory, GEMM
+split, casts) and ``bench_modes`` (what a step is).  Then it measures
+convert time against depth and the torch.export route (``bench_scaling``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import statistics
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+from bench_measure import CastCounter, RoundTimer, profile_step, spread, state_bytes  # noqa: E402
+from bench_models import MODEL_NAMES, PRESETS, build_case  # noqa: E402
+from bench_modes import COMPILED_BASELINE, EAGER_BASELINE, MODES, build_trainer, state_tensors  # noqa: E402
+from bench_scaling import convert_vs_depth, export_route  # noqa: E402
+
+__all__ = ["main", "parse_args", "bench_model", "check_targets"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MIB = 2.0**20
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="all", help=f"comma-separated subset of {','.join(MODEL_NAMES)} (default all)")
+    parser.add_argument("--modes", default="all", help="comma-separated subset of the modes (default all)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 9, quick 3)")
+    parser.add_argument("--repeats", type=int, default=None, help="steps per mode per round (default 3, quick 2)")
+    parser.add_argument("--profile-rounds", type=int, default=None,
+                        help="profiled rounds for memory and the GEMM split (default 5, quick 3)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (compiles the compiled modes)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1: a shared machine)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, few rounds, aot_eager compiles")
+    parser.add_argument("--preset", default=None, choices=PRESETS, help="model sizes (default full; quick with --quick)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile modes")
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="let inductor reuse its on-disk caches (compile s then measures a cache hit, not a compile)")
+    parser.add_argument("--inner", default=None, help="torch.compile backend (default inductor; aot_eager with --quick)")
+    parser.add_argument("--batch", type=int, help="batch size override")
+    parser.add_argument("--seq", type=int, help="sequence length override (transformer, gpt)")
+    parser.add_argument("--width", type=int, help="model width override (d for transformer/gpt, hidden for mlp, width for cnn)")
+    parser.add_argument("--layers", type=int, help="layer count override (transformer, gpt; depth for mlp)")
+    parser.add_argument("--vocab", type=int, help="vocabulary override (gpt)")
+    parser.add_argument("--depths", default=None, help="layer counts for convert time vs depth (default 6,24,96; quick 2,4)")
+    parser.add_argument("--no-scaling", action="store_true", help="skip convert time vs depth and the export route")
+    parser.add_argument("--scaling-only", action="store_true", help="only convert time vs depth and the export route")
+    args = parser.parse_args(argv)
+    args.preset = args.preset or ("quick" if args.quick else "full")
+    args.rounds = args.rounds or (3 if args.quick else 9)
+    args.repeats = args.repeats or (2 if args.quick else 3)
+    args.profile_rounds = args.profile_rounds or (3 if args.quick else 5)
+    args.inner = args.inner or ("aot_eager" if args.quick else "inductor")
+    args.depths = [int(d) for d in (args.depths or ("2,4" if args.quick else "6,24,96")).split(",")]
+    args.models = list(MODEL_NAMES) if args.model == "all" else args.model.split(",")
+    modes = list(MODES) if args.modes == "all" else [m.strip() for m in args.modes.split(",")]
+    if args.no_compile:
+        modes = [m for m in modes if MODES[m][0] == "eager"]
+    for needed in (EAGER_BASELINE,) + ((COMPILED_BASELINE,) if any(MODES[m][0] == "compiled" for m in modes) else ()):
+        if needed not in modes:
+            modes.append(needed)  # ratios need their baseline
+    args.mode_list = [m for m in MODES if m in modes]
+    return args
+
+
+def _overrides(args: argparse.Namespace, name: str) -> dict:
+    width_key = {"mlp": "hidden", "cnn": "width"}.get(name, "d")
+    layers_key = "depth" if name == "mlp" else "layers"
+    return {"batch": args.batch, "seq": args.seq, width_key: args.width, layers_key: args.layers, "vocab": args.vocab}
+
+
+def bench_model(name: str, args: argparse.Namespace) -> dict:
+    """Set up, warm up, count, profile and time every mode on model ``name``; return the measurements."""
+    dtype = DTYPES[args.dtype]
+    case = build_case(name, preset=args.preset, device=args.device, **_overrides(args, name))
+    trainers = {m: build_trainer(m, case.model, case.inputs, args.device, dtype, args.inner) for m in args.mode_list}
+    rows: dict[str, dict] = {m: {"setup_s": t.setup_s} for m, t in trainers.items()}
+    for mode, trainer in trainers.items():
+        rows[mode]["first_s"] = trainer.warm_up(args.warmup)
+        rows[mode]["loss"] = trainer.last_loss
+    for mode, trainer in trainers.items():
+        if MODES[mode][0] == "eager":
+            trainer.zero()
+            with CastCounter() as counter:
+                trainer.work()
+            rows[mode]["casts"], rows[mode]["cast_bytes"] = counter.count, counter.bytes
+    _profile_rounds(trainers, rows, args)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    timer = RoundTimer({m: t.step for m, t in trainers.items()}, sync)
+    timer.run(args.rounds, args.repeats)
+    for mode in trainers:
+        baseline = MODES[mode][1]
+        ratios = timer.ratios(mode, baseline)
+        rows[mode].update(ms=timer.stats[mode].median * 1e3, ratio=statistics.median(ratios), spread=spread(ratios),
+                          skipped=trainers[mode].skipped())
+    return {"name": name, "description": case.description, "rows": rows}
+
+
+def _profile_rounds(trainers: dict, rows: dict, args: argparse.Namespace) -> None:
+    """Profiled steps in interleaved rounds: peak memory, GEMM share, and the non-GEMM time ratio to the baseline."""
+    samples: dict[str, list[tuple[int, float, float]]] = {m: [] for m in trainers}
+
+    def steps(trainer: Any) -> Callable[[], None]:
+        def run() -> None:  # `repeats` steps; gradients are zeroed before each (the first just before the profile)
+            for i in range(args.repeats):
+                if i:
+                    trainer.zero()
+                trainer.work()
+        return run
+
+    first = next(iter(trainers.values()))
+    first.zero()
+    profile_step(steps(first), args.device)  # the profiler's first use in a process is slower: not measured
+    for _ in range(args.profile_rounds):
+        for mode, trainer in trainers.items():
+            trainer.zero()
+            samples[mode].append(profile_step(steps(trainer), args.device))
+    for mode, trainer in trainers.items():
+        peaks, gemm, other = zip(*samples[mode])
+        base = samples[MODES[mode][1]]
+        rows[mode]["peak_bytes"] = max(peaks) + state_bytes(state_tensors(trainer))
+        rows[mode]["gemm_share"] = statistics.median(g / (g + o) for g, o in zip(gemm, other))
+        rows[mode]["other_ratio"] = statistics.median(o / b[2] for o, b in zip(other, base))
+
+
+def _fmt_row(mode: str, row: dict) -> list[str]:
+    lo, hi = row["spread"]
+    casts = f"{row['casts']} ({row['cast_bytes'] / MIB:.1f} MiB)" if "casts" in row else "fused"
+    setup = "-" if row["setup_s"] != row["setup_s"] else f"{row['setup_s']:.2f}"
+    compile_s = f"{row['first_s']:.1f}" if MODES[mode][0] == "compiled" else "-"
+    note = f" ({row['skipped']} skipped)" if row["skipped"] else ""
+    share = "-" if row["gemm_share"] != row["gemm_share"] else f"{100 * row['gemm_share']:.0f}%"
+    other = "-" if row["other_ratio"] != row["other_ratio"] else f"{row['other_ratio']:.2f}"
+    return [mode, f"{row['ms']:.1f}", f"{row['ratio']:.2f} [{lo:.2f}-{hi:.2f}]", share, other,
+            f"{row['peak_bytes'] / MIB:.2f}", casts, setup, compile_s + note]
+
+
+HEADER = ["mode", "ms/step", "x autocast [IQR]", "GEMM share", "non-GEMM x", "peak MiB", "casts/step", "convert s",
+          "compile s"]
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['name']}: {result['description']}")
+    lines = [HEADER] + [_fmt_row(m, r) for m, r in result["rows"].items()]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(HEADER, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for line in lines[1:]:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
+    sys.stdout.flush()
+
+
+def check_targets(result: dict) -> list[tuple[str, bool, str]]:
+    """The issue's targets that apply to this model: (target, met, figures)."""
+    rows, name, out = result["rows"], result["name"], []
+
+    def ratio(mode: str, limit: float, label: str) -> None:
+        if mode in rows:
+            out.append((label, rows[mode]["ratio"] <= limit, f"{rows[mode]['ratio']:.2f} <= {limit}"))
+
+    ratio("amp_fx O1", 0.95, "O1 eager <= 0.95x autocast")
+    if name in ("transformer", "gpt"):
+        ratio("amp_fx O2", 0.85, "O2 eager <= 0.85x autocast")
+    ratio('compile(backend="amp_fx")', 0.90, 'compile(backend="amp_fx") <= 0.90x compile+autocast')
+    base = rows[EAGER_BASELINE]
+    if name == "transformer":
+        for mode in ("amp_fx O1", "amp_fx O2", "amp_fx O3"):
+            if mode in rows and "casts" in rows[mode]:
+                out.append((f"{mode} casts <= 0.5x autocast's", rows[mode]["casts"] <= 0.5 * base["casts"],
+                            f"{rows[mode]['casts']} vs {base['casts']}"))
+    # Peaks are compared to 0.1%: the order in which autograd frees a bias's and a weight's
+    # gradient casts moves a peak by a few hundred bytes either way.
+    for mode, baseline in (("amp_fx O1", EAGER_BASELINE), ("amp_fx O2", EAGER_BASELINE), ("amp_fx O3", EAGER_BASELINE),
+                           ('compile(backend="amp_fx")', COMPILED_BASELINE)):
+        if mode in rows and baseline in rows:
+            ours, theirs = rows[mode]["peak_bytes"], rows[baseline]["peak_bytes"]
+            out.append((f"{mode} peak <= {baseline}'s (0.1%)", ours <= 1.001 * theirs,
+                        f"{ours / MIB:.2f} vs {theirs / MIB:.2f} MiB ({(ours - theirs) / 1024:+.1f} KiB)"))
+    return out
+
+
+def run_scaling(args: argparse.Namespace) -> None:
+    dtype = DTYPES[args.dtype]
+    print("\nconvert() time vs depth (symbolic encoder, d=128, O1, best of 2)")
+    print("| layers | nodes | seconds | us/node |\n|---|---|---|---|")
+    for layers, nodes, seconds, per_node in convert_vs_depth(args.depths, dtype=dtype):
+        print(f"| {layers} | {nodes} | {seconds:.2f} | {per_node:.0f} |", flush=True)
+    layers = 2 if args.quick else 6
+    route = export_route(layers=layers, dtype=dtype)
+    print(f"\ntorch.export route ({layers}-layer encoder behind a shape check, O1): convert {route['convert_s']:.2f} s, "
+          f"torch.export.export alone {route['export_s']:.2f} s -> {route['ratio']:.2f}x (route: {route['route']}, "
+          f"{route['nodes']} nodes)")
+
+
+def _cold_compiles() -> contextlib.ExitStack:
+    """Inductor's on-disk caches off while the stack is open: "compile s" then times a compile, whatever ran before."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(inductor_config.patch(fx_graph_cache=False))
+    stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+    return stack
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    """Run the benchmark as the command line ``argv`` asks; print the tables and return the measurements."""
+    args = parse_args(argv)
+    logging.getLogger("amp_fx").setLevel(logging.ERROR)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    results = {}
+    with _cold_compiles() if not args.warm_cache else contextlib.nullcontext():
+        try:
+            print(f"torch {torch.__version__}, device {args.device}, dtype {args.dtype}, {args.threads} thread(s), "
+                  f"{args.rounds} rounds x {args.repeats} steps, compile backend {args.inner}, {args.preset} sizes"
+                  f"{', inductor caches off' if not args.warm_cache else ''}", flush=True)
+            if not args.scaling_only:
+                for name in args.models:
+                    result = bench_model(name, args)
+                    print_table(result)
+                    for label, met, figures in check_targets(result):
+                        print(f"  target {'met ' if met else 'MISS'}  {label}: {figures}")
+                    results[name] = result
+            if not args.no_scaling:
+                run_scaling(args)
+        finally:
+            torch.set_num_threads(threads)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""The benchmark script runs end to end on tiny sizes and prints one table row per mode, with numbers that add up."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+sys.path.insert(0, EXAMPLES)
+
+import benchmark  # noqa: E402
+from bench_measure import CastCounter  # noqa: E402
+from bench_modes import MODES  # noqa: E402
+
+
+def test_quick_run_prints_every_mode_with_sane_figures(capsys):
+    """--quick on the MLP: every mode trains, is timed against its baseline, and the casts are counted."""
+    threads = torch.get_num_threads()
+    results = benchmark.main(["--quick", "--model", "mlp", "--rounds", "2", "--repeats", "1", "--warmup", "1", "--profile-rounds", "1",
+                              "--depths", "1,2"])
+    assert torch.get_num_threads() == threads  # main() restores the caller's thread count
+    out = capsys.readouterr().out
+    rows = results["mlp"]["rows"]
+    assert list(rows) == list(MODES)
+    for mode, row in rows.items():
+        assert f"| {mode} " in out
+        assert row["ms"] > 0 and row["peak_bytes"] > 0
+        assert math.isfinite(row["loss"]) and row["skipped"] == 0, mode
+    # Each baseline is its own reference: its ratio is exactly 1 in every round.
+    assert rows["torch.autocast"]["ratio"] == rows["compile+autocast"]["ratio"] == 1.0
+    # fp32 casts nothing; O3 casts only at graph entry/exit, far fewer than autocast's per-op casts.
+    assert rows["fp32"]["casts"] == 0
+    assert 0 < rows["amp_fx O3"]["casts"] <= rows["amp_fx O2"]["casts"] < rows["torch.autocast"]["casts"]
+    assert "convert() time vs depth" in out and "torch.export route" in out
+
+
+def test_cast_counter_counts_only_dtype_changes():
+    """_to_copy to another dtype and copy_ across dtypes count; same-dtype copies and other ops do not."""
+    x = torch.randn(4, 3)
+    with CastCounter() as counter:
+        y = x.to(torch.bfloat16)  # 1
+        x.clone().to(torch.float32)  # same dtype: no kernel at all
+        torch.empty(4, 3).copy_(y)  # 2: bf16 -> fp32 copy
+        torch.empty(4, 3).copy_(x)  # same dtype
+        (x + 1).sum()
+    assert counter.count == 2
+    assert counter.bytes == 4 * 3 * 2 + 4 * 3 * 4
+
+
+@pytest.mark.parametrize("mode", ["amp_fx O1", "amp_fx O2"])
+def test_amp_fx_modes_match_fp32_loss(mode):
+    """The modes train the same model: amp_fx's first loss is the fp32 model's within bf16 rounding."""
+    from bench_models import build_case
+    from bench_modes import build_trainer
+
+    case = build_case("gpt", preset="quick")
+    losses = {}
+    for name in ("fp32", mode):
+        trainer = build_trainer(name, case.model, case.inputs, "cpu", torch.bfloat16, "aot_eager")
+        trainer.zero()
+        losses[name] = float(trainer.work().detach())
+    assert losses[mode] == pytest.approx(losses["fp32"], rel=2e-2)
+
+
+def test_parameter_casts_sit_just_before_their_first_reader():
+    """In an export-route graph (parameters at the top) each weight cast is moved down to its first reader.
+
+    A cast left at the top casts its gradient back last in backward, keeping every
+    low-precision weight gradient alive to the end (measured under inductor).
+    """
+    import amp_fx
+    from amp_fx.cast_nodes import cast_source, is_inserted_cast
+    from bench_models import Encoder, ExportOnly
+
+    torch.manual_seed(0)
+    model = ExportOnly(Encoder(16, 2, 2))
+    inputs = (torch.randn(2, 4, 16), torch.randint(0, 10, (2,)))
+    gm = amp_fx.convert(model, "O1", example_inputs=inputs)
+    assert gm.amp_report.route == "torch.export"
+    weight_casts = [n for n in gm.graph.nodes if is_inserted_cast(n) and cast_source(n).op in ("get_attr", "placeholder")]
+    assert len(weight_casts) >= 12  # qkv, proj, fc1, fc2 weight and bias per block
+    for cast in weight_casts:
+        node = cast.next
+        while is_inserted_cast(node):  # casts sunk to the same reader stack up before it
+            node = node.next
+        assert node is min(cast.users), f"{cast.name} is not just before its first reader"
+    torch.testing.assert_close(gm(*inputs), model(*inputs), rtol=2e-2, atol=2e-2)
