@@ -37,3 +37,19 @@ class OpRecorder(TorchDispatchMode):
     def count(self, names) -> int:
         """How many calls of the ops in ``names`` were dispatched."""
         return sum(1 for name, _ in self.calls if name in names)
+
+
+def aot_capture():
+    """aot_autograd inner backend that records the forward and backward ATen graphs."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    fw, bw = [], []
+
+    def keep(store):
+        def compiler(gm, example_inputs):
+            store.append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    return aot_autograd(fw_compiler=keep(fw), bw_compiler=keep(bw)), fw, bw

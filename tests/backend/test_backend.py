@@ -7,11 +7,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 
 import amp_fx
 import zoo
+from probes import aot_capture
 from amp_fx.backend_graph import source_fqn, target_fqn
 from amp_fx.cast_nodes import is_inserted_cast
 
@@ -36,17 +35,6 @@ class Capture:
         return gm.forward
 
 
-def aot_capture():
-    """aot_autograd inner backend that records the forward and backward ATen graphs."""
-    fw, bw = [], []
-
-    def keep(store):
-        def compiler(gm, example_inputs):
-            store.append(gm)
-            return make_boxed_func(gm.forward)
-        return compiler
-
-    return aot_autograd(fw_compiler=keep(fw), bw_compiler=keep(bw)), fw, bw
 
 
 def _param_placeholders(gm):

@@ -7,11 +7,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 
 import amp_fx
 import zoo
+from probes import aot_capture
 
 
 @pytest.fixture(autouse=True)
@@ -21,16 +20,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _aot_capture():
-    fw, bw = [], []
-
-    def keep(store):
-        def compiler(gm, example_inputs):
-            store.append(gm)
-            return make_boxed_func(gm.forward)
-        return compiler
-
-    return aot_autograd(fw_compiler=keep(fw), bw_compiler=keep(bw)), fw, bw
 
 
 def _gemms(gm):
@@ -40,7 +29,7 @@ def _gemms(gm):
 
 def test_backward_gemms_run_low_and_param_grads_are_fp32():
     """The backward of every low forward GEMM is a low GEMM; parameter gradients arrive in fp32, close to fp32's."""
-    inner, fw, bw = _aot_capture()
+    inner, fw, bw = aot_capture()
     model, (x,), _ = zoo.build("mlp")
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend=amp_fx.backend(inner=inner))
