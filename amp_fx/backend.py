@@ -23,14 +23,13 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import sys
 import weakref
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
 
-from amp_fx.backend_graph import graph_device_type, low_dtype_for, placeholder_params
+from amp_fx.backend_graph import graph_device_type, low_dtype_for, placeholder_params, relative_module_stacks
 from amp_fx.backend_report import CompiledReport
 from amp_fx.config import make_config
 from amp_fx.pass_manager import PassContext
@@ -197,6 +196,9 @@ class AmpBackend:
                               placeholder_params=placeholder_params(gm, example_inputs))
             ctx.extra["device_type"] = device
             compile_id = _compile_id()
+            # Module policies and the report name modules as model.named_modules() does, whatever
+            # the compiled function called its module (self, m, s, a global, a closure).
+            relative_module_stacks(gm)
             with _no_new_guards(gm):
                 gm, report = rewrite_graph(gm, ctx, own_params=False,
                                            notes=[f"Dynamo graph {compile_id}, converted by the torch.compile backend"])
@@ -259,15 +261,23 @@ _BY_SETTINGS: dict[str, AmpBackend] = {}
 
 
 def _calling_wrapper() -> Any:
+    """The ``torch._TorchCompileWrapper`` Dynamo is compiling with now, or None.
+
+    Dynamo's translator for the frame being compiled holds the compiler it
+    was given (``tx.output.compiler_fn``), wrapped for debugging; unwrapping
+    that chain finds the wrapper ``torch.compile`` built for this model.
+    """
     wrapper_type = getattr(torch, "_TorchCompileWrapper", None)
-    frame = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if wrapper_type is not None and isinstance(candidate, wrapper_type):
-            return candidate
-        frame = frame.f_back
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        compiler = InstructionTranslator.current_tx().output.compiler_fn
+    except (ImportError, AttributeError):  # not inside a Dynamo compile (called directly)
+        return None
+    for _ in range(8):
+        if compiler is None or (wrapper_type is not None and isinstance(compiler, wrapper_type)):
+            return compiler
+        compiler = getattr(compiler, "_torchdynamo_orig_backend", None) or getattr(compiler, "compiler_fn", None)
     return None
 
 

@@ -6,6 +6,15 @@ every parameter and buffer a graph reads to a placeholder.  Its
 value was read from, e.g. ``L['self']._modules['fc1']._parameters['weight']``;
 from that source this module derives the readable FQN ``fc1.weight`` that the
 report, weight-cast dedup and module policies use.
+
+Module paths come the same way for every calling style.  Dynamo names a
+module by the expression it was read from: ``L['self'].head`` when
+``forward(self, x)`` is compiled, ``L['m'].head`` for ``def step(m, x)``,
+``G['model'].head`` for a global, ``L['s'].head`` for ``forward(s, x)``,
+``L['self'].model.head`` for a trainer object holding the model.
+:func:`relative_module_stacks` rewrites each node's ``nn_module_stack`` to
+paths relative to the root *module* (``head``), the names
+``model.named_modules()`` gives and policies use.
 """
 
 from __future__ import annotations
@@ -17,13 +26,18 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["placeholder_params", "source_fqn", "target_fqn", "graph_device_type", "low_dtype_for"]
+__all__ = ["placeholder_params", "source_fqn", "target_fqn", "graph_device_type", "low_dtype_for",
+           "module_roots", "relative_module_stacks"]
 
 # One step of a Dynamo source name: .attr, ['key'] or [index].
 _STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[\s*'([^']*)'\s*\]|\[\s*\"([^\"]*)\"\s*\]|\[\s*(-?\d+)\s*\]")
 # Containers that nn.Module uses internally; they are not part of the FQN.
 _CONTAINERS = frozenset({"_modules", "_parameters", "_buffers"})
 _WEIGHT_CONTAINERS = ("_parameters", "_buffers")
+# The bare variable a Dynamo source starts from: L['m'], G['model'], or a name.
+_ROOT_VARIABLE = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*\[\s*'[^']*'\s*\]|[A-Za-z_][A-Za-z0-9_]*)")
+# Where a source steps into an nn.Module's own containers: what comes before is a module.
+_INTO_MODULE = re.compile(r"\._(?:modules|parameters|buffers)\[")
 
 
 def _source_name(source: Any) -> Optional[str]:
@@ -36,13 +50,16 @@ def _source_name(source: Any) -> Optional[str]:
 def source_fqn(name: str) -> Optional[str]:
     """``L['self']._modules['fc1']._parameters['weight']`` -> ``fc1.weight``; None when no weight is named.
 
-    The root (``L['self']``, ``G['model']``, a closure cell) is dropped; so are
-    the module's internal containers (``_modules``, ``_parameters``, ``_buffers``).
+    The root module (``L['self']``, ``G['model']``, ``L['self'].model`` of a
+    trainer object) is dropped; so are the module's internal containers
+    (``_modules``, ``_parameters``, ``_buffers``).
     """
     if not any(f"{c}[" in name or f".{c}." in name for c in _WEIGHT_CONTAINERS) and not name.endswith((".weight", ".bias")):
         return None
-    root = re.match(r"^(?:[A-Za-z_][A-Za-z0-9_]*\[\s*'[^']*'\s*\]|[A-Za-z_][A-Za-z0-9_]*)", name)
-    rest = name[root.end():] if root else name
+    # The root is the module the source steps into first (L['self'], L['m'], L['self'].model).
+    into = _INTO_MODULE.search(name)
+    root = _ROOT_VARIABLE.match(name)
+    rest = name[into.start():] if into else (name[root.end():] if root else name)
     atoms = []
     for match in _STEP.finditer(rest):
         atom = next(group for group in match.groups() if group is not None)
@@ -99,3 +116,60 @@ def graph_device_type(gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) ->
 def low_dtype_for(device_type: str) -> torch.dtype:
     """The low dtype autocast picks for a device: float16 on CUDA, bfloat16 elsewhere."""
     return torch.float16 if device_type == "cuda" else torch.bfloat16
+
+
+
+
+def module_roots(gm: fx.GraphModule) -> list[str]:
+    """The expressions that name the root modules this graph reads weights from, longest first.
+
+    ``L['self'].model._modules['head']._parameters['weight']`` names the
+    root ``L['self'].model``: the object whose ``_modules`` Dynamo reads is
+    an ``nn.Module``, the attribute path before it is how the compiled
+    function reached that module.
+    """
+    roots = set()
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or node.meta.get("grapharg") is None:
+            continue
+        name = _source_name(getattr(node.meta["grapharg"], "source", None))
+        step = _INTO_MODULE.search(name) if name else None
+        if step is not None:
+            roots.add(name[:step.start()])
+    return sorted(roots, key=len, reverse=True)
+
+
+def _relative(path: str, roots: Sequence[str]) -> str:
+    for root in roots:
+        if path == root or path.startswith(root + ".") or path.startswith(root + "["):
+            return path[len(root):].lstrip(".")
+    # A module that reads no weight of its own still hangs off a root variable.
+    variable = _ROOT_VARIABLE.match(path)
+    return path[variable.end():].lstrip(".") if variable else path
+
+
+def relative_module_stacks(gm: fx.GraphModule, roots: Optional[Sequence[str]] = None) -> int:
+    """Rewrite every node's ``nn_module_stack`` paths relative to its root module; return how many changed.
+
+    Paths become ``"head"`` / ``"encoder.layers.0"`` (``""`` for the root
+    itself), whatever the compiled function called its module argument.
+    Bodies of higher-order ops (checkpointed regions) get the same roots.
+    """
+    roots = module_roots(gm) if roots is None else roots
+    changed = 0
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            stack = node.meta.get("nn_module_stack")
+            if not stack:
+                continue
+            rewritten = {}
+            for key, value in stack.items():
+                if isinstance(value, tuple) and value and isinstance(value[0], str):
+                    path = _relative(value[0], roots)
+                    changed += path != value[0]
+                    value = (path,) + tuple(value[1:])
+                rewritten[key] = value
+            node.meta["nn_module_stack"] = rewritten
+    return changed
