@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 
+from amp_fx.backend_bodies import convert_bodies, describe_region_nodes
 from amp_fx.backend_graph import graph_device_type, low_dtype_for, placeholder_params, relative_module_stacks
 from amp_fx.backend_report import CompiledReport
 from amp_fx.config import make_config
@@ -200,17 +201,36 @@ class AmpBackend:
             # the compiled function called its module (self, m, s, a global, a closure).
             relative_module_stacks(gm)
             with _no_new_guards(gm):
+                # Checkpointed regions and subgraphs first: each body is converted and sealed on its own.
+                bodies = [] if config.op_mode == "none" else convert_bodies(
+                    gm, ctx.placeholder_params, functools.partial(self._convert_body, config, device, compile_id))
                 gm, report = rewrite_graph(gm, ctx, own_params=False,
                                            notes=[f"Dynamo graph {compile_id}, converted by the torch.compile backend"])
                 if config.op_mode != "none":
+                    for _, _, body, _ in bodies:
+                        _refresh_example_values(body)
                     _refresh_example_values(gm)
             _name_weights(report, ctx.placeholder_params)
-            self.report.add(compile_id, _graph_name(gm), report)
+            describe_region_nodes(report)
+            name = _graph_name(gm)
+            self.report.add(compile_id, name, report)
+            for body_name, op, _, body_report in bodies:
+                self.report.add(compile_id, f"{name} / {op} body {body_name}", body_report, region=op)
             _LAST[0] = self.report
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("converted Dynamo graph %s: %s", compile_id, report.totals())
             compiled = self.inner_fn(gm, example_inputs)
         return _without_outer_autocast(compiled)
+
+    def _convert_body(self, config: Any, device: str, compile_id: str, body: fx.GraphModule,
+                      params: dict, name: str) -> tuple[fx.GraphModule, Any]:
+        """Run the pipeline on one higher-order op's body (see :mod:`amp_fx.backend_bodies`)."""
+        ctx = PassContext(config=config, policy=self.policy, route="dynamo", placeholder_params=params)
+        ctx.extra["device_type"] = device
+        body, report = rewrite_graph(body, ctx, own_params=False,
+                                     notes=[f"body {name} of Dynamo graph {compile_id}, converted by the torch.compile backend"])
+        _name_weights(report, params)
+        return body, report
 
     def reset(self) -> None:
         """Called by ``torch._dynamo.reset()``: later graphs go to a fresh report (a held one stays intact)."""

@@ -15,11 +15,17 @@ _SUMMED = ("low_nodes", "fp32_nodes", "follow_nodes", "promote_nodes", "casts_in
 
 @dataclass
 class GraphReport:
-    """One converted graph: Dynamo's compile id (``"frame/recompile"``), its code name, its report."""
+    """One converted graph: Dynamo's compile id (``"frame/recompile"``), its code name, its report.
+
+    ``region`` names the higher-order op (``"tag_activation_checkpoint"``,
+    ``"invoke_subgraph"``, ...) when the graph is the body of one; None for
+    a graph Dynamo captured.
+    """
 
     compile_id: str
     name: str
     report: ConversionReport
+    region: Optional[str] = None
 
 
 @dataclass
@@ -38,9 +44,9 @@ class CompiledReport:
     graphs: list[GraphReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def add(self, compile_id: str, name: str, report: ConversionReport) -> None:
-        """Record one more converted graph."""
-        self.graphs.append(GraphReport(compile_id, name, report))
+    def add(self, compile_id: str, name: str, report: ConversionReport, region: Optional[str] = None) -> None:
+        """Record one more converted graph (``region``: the higher-order op whose body it is, if any)."""
+        self.graphs.append(GraphReport(compile_id, name, report, region))
 
     def clear(self) -> None:
         """Forget every graph (``torch._dynamo.reset()`` discards the compiled code they belong to)."""
@@ -94,7 +100,8 @@ class CompiledReport:
                 unknown[op] = unknown.get(op, 0) + n
         out["cast_bytes_per_forward"] = cast_bytes if self.graphs else None
         out["unknown_ops"] = unknown
-        out["graphs"] = len(self.graphs)
+        out["graphs"] = sum(1 for g in self.graphs if g.region is None)
+        out["region_bodies"] = len(self.graphs) - out["graphs"]
         return out
 
     # -- output -----------------------------------------------------------
@@ -103,7 +110,8 @@ class CompiledReport:
         return {
             "level": self.level, "dtype": self.dtype, "inner": self.inner, "totals": self.totals(),
             "notes": list(self.notes),
-            "graphs": [{"compile_id": g.compile_id, "name": g.name, **g.report.to_dict()} for g in self.graphs],
+            "graphs": [{"compile_id": g.compile_id, "name": g.name, "region": g.region, **g.report.to_dict()}
+                       for g in self.graphs],
         }
 
     def to_json(self, **kwargs: Any) -> str:
@@ -114,7 +122,7 @@ class CompiledReport:
         t = self.totals()
         lines = [
             f"amp_fx compiler backend: level {self.level}, dtype {self.dtype}, inner backend {self.inner}, "
-            f"{t['graphs']} graph(s)",
+            f"{t['graphs']} graph(s)" + (f" + {t['region_bodies']} region bodies" if t["region_bodies"] else ""),
             f"  low {t['low_nodes']} | fp32 {t['fp32_nodes']} | follow {t['follow_nodes']} | promote {t['promote_nodes']} nodes; "
             f"{t['casts_inserted']} casts inserted ({t['weight_casts']} of weights)",
         ]
