@@ -35,6 +35,7 @@ from amp_fx.apex_properties import AmpProperties, build_scalers, resolve_propert
 from amp_fx.errors import AmpError
 from amp_fx.graph_module import AmpGraphModule
 from amp_fx.runtime import LossScaler
+from amp_fx.runtime.modules import is_compiled, unwrap_compiled
 
 __all__ = [
     "initialize", "scale_loss", "state_dict", "load_state_dict",
@@ -124,6 +125,13 @@ def _check_fresh_optimizer(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+def _compiled_like(dynamo_ctx: Any, module: nn.Module) -> nn.Module:
+    """``module`` compiled with the settings (backend, mode, ...) the user's model was compiled with."""
+    if callable(dynamo_ctx):
+        return dynamo_ctx(module)
+    return torch.compile(module)
+
+
 def _record_of(optimizer: Any) -> OptimizerRecord:
     record = optimizer.__dict__.get(_STASH) if hasattr(optimizer, "__dict__") else None
     if record is None:
@@ -149,6 +157,8 @@ def initialize(
 
     Args:
         models: a module or a list/tuple of modules (not yet wrapped in DDP/DataParallel).
+            A ``torch.compile``d module is accepted: the module inside it is
+            converted, and the result comes back compiled with the same settings.
         optimizers: None, an optimizer or a list/tuple of them, built over the
             models' (fp32) parameters.
         opt_level: ``"O0"``-``"O3"`` (see :func:`amp_fx.convert`).
@@ -169,6 +179,10 @@ def initialize(
     """
     global _current
     model_list, model_box = _listify(models, nn.Module, "models")
+    # torch.compile(model): convert the module inside, and compile the result the same way.
+    recompile = [getattr(m, "dynamo_ctx", None) if is_compiled(m) else None for m in model_list]
+    given_models = list(model_list)
+    model_list = [unwrap_compiled(m) for m in model_list]
     opt_list, opt_box = ([], None) if optimizers is None else _listify(
         optimizers, torch.optim.Optimizer, "optimizers")
     if len({id(m) for m in model_list}) != len(model_list) or len({id(o) for o in opt_list}) != len(opt_list):
@@ -205,7 +219,8 @@ def initialize(
         record.session = session
         setattr(result, _STASH, record)
         fitted.append(result)
-    for obj in (*model_list, *converted, *opt_list, *fitted):
+    returned = [gm if ctx is None else _compiled_like(ctx, gm) for gm, ctx in zip(converted, recompile)]
+    for obj in (*given_models, *model_list, *converted, *returned, *opt_list, *fitted):
         try:
             _SEEN.add(obj)
         except TypeError:
@@ -214,7 +229,7 @@ def initialize(
     if props.verbosity:
         logger.info("%s; loss scaler(s): %s", props.describe(), session.scalers)
 
-    out_models = _restructure(converted, model_box)
+    out_models = _restructure(returned, model_box)
     if optimizers is None:
         return out_models
     return out_models, _restructure(fitted, opt_box)
@@ -229,12 +244,13 @@ def scale_loss(
     model: Any = None,
     delay_unscale: bool = False,
 ) -> Iterator[Any]:
-    """Yield ``loss`` times loss ``loss_id``'s scale; on exit unscale, check and update the scale.
+    """Yield ``loss`` times loss ``loss_id``'s scale, in fp32; on exit unscale, check and update the scale.
 
     After the block the gradients of ``optimizers`` are unscaled (at O2: the
     fp32 master gradients, readable right away, e.g. to clip them). If they
-    hold inf/NaN, the next ``optimizer.step()`` of each optimizer that got them
-    does nothing and returns False (once), and the scale backs off. Gradients
+    hold inf/NaN, the next ``optimizer.step()`` of every optimizer passed
+    does nothing and returns False (once), and the scale backs off (Apex: an
+    optimizer steps only if no loss scaled into it this iteration overflowed). Gradients
     already there from an earlier block (another loss) are set aside during the
     backward and added back after unscaling, so each loss is unscaled by its
     own scale.
@@ -260,6 +276,8 @@ def scale_loss(
     scaler = session.scalers[loss_id]
     for record in records:
         record.stash_grads()
+    if isinstance(loss, torch.Tensor) and loss.dtype in (torch.float16, torch.bfloat16):
+        loss = loss.float()  # as Apex (loss.float() * scale): an fp16 loss times 2**16 overflows
     try:
         yield scaler.scale(loss)
     except BaseException:
@@ -281,9 +299,15 @@ def scale_loss(
             "the optimizer(s) passed; call scaled_loss.backward() inside the block, and pass the "
             "optimizers whose parameters the loss depends on."
         )
+    overflow = False
     for record in active:
         # Unscale (at O2 into the fp32 master grads) and check, one host sync per optimizer.
-        if not scaler._begin_step(record.optimizer):
+        overflow |= not scaler._begin_step(record.optimizer)
+    if overflow:
+        # As Apex: an overflowing loss skips the next step of every optimizer it was scaled
+        # into, also those whose own gradients from it were finite (a half-applied update
+        # of a shared loss would be one no precision computes).
+        for record in records:
             record.skip_next_step()
     for record in records:
         record.restore_grads()

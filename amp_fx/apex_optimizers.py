@@ -17,7 +17,7 @@ still scaled (``delay_unscale``), and a pending "skip the next step".
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -40,9 +40,10 @@ def check_ownership(optimizer: torch.optim.Optimizer, owners: dict[int, tuple[in
                 )
 
 
-def _view_module(params: dict[str, nn.Parameter]) -> nn.Module:
+def _view_module(params: dict[str, nn.Parameter], config: Any) -> nn.Module:
     """A module holding exactly ``params`` under their dotted names (for MasterWeightOptimizer)."""
     root = nn.Module()
+    root.amp_config = config  # the level that made these parameters (MasterWeightOptimizer checks it)
     for name, param in params.items():
         owner = root
         *path, leaf = name.split(".")
@@ -75,7 +76,7 @@ def fit_optimizer(
         shared = all(module_params[id(p)] is p for g in optimizer.param_groups for p in g["params"])
         if not shared:  # convert() promises O0/O1 modules share the model's parameters
             raise RuntimeError("internal error: the converted module does not share the model's parameters")
-        return optimizer, OptimizerRecord(optimizer, list(module_params.values()))
+        return optimizer, OptimizerRecord(optimizer)
     if master_weights:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         masters = {names[id(p)]: p for p in params}
@@ -84,9 +85,10 @@ def fit_optimizer(
         if prefix or not trainable <= set(masters):
             # The optimizer steps parameters of several models, or part of one: give the wrapper a
             # module holding exactly those (it refuses trainable parameters no group holds).
-            module = _view_module({names[id(p)]: module_params[id(p)] for p in params})
+            module = _view_module({names[id(p)]: module_params[id(p)] for p in params}, module.amp_config)
         wrapped = MasterWeightOptimizer(optimizer, module, masters=masters)
-        return wrapped, OptimizerRecord(wrapped, [module_params[id(p)] for p in params], masters=True)
+        wrapped._resolve = _resolver(owners, converted, prefix)
+        return wrapped, OptimizerRecord(wrapped, masters=True)
     # No masters: the optimizer steps the low-precision tensors the module runs with.
     for group in optimizer.param_groups:
         old = group["params"]
@@ -94,7 +96,49 @@ def fit_optimizer(
         for before, after in zip(old, group["params"]):
             if before in optimizer.state:
                 optimizer.state[after] = optimizer.state.pop(before)
-    return optimizer, OptimizerRecord(optimizer, list(module_params.values()))
+    _map_added_groups(optimizer, _resolver(owners, converted, prefix))
+    return optimizer, OptimizerRecord(optimizer)
+
+
+def _resolver(owners: dict[int, tuple[int, str]], converted: list[nn.Module], prefix: bool) -> Callable:
+    """param -> (name, converted module's tensor, fp32 master or None) for any model initialize converted.
+
+    ``param`` may be an original model's parameter or a converted module's; both
+    name the same slot. The original fp32 parameter is the master (no third copy).
+    """
+    slots = dict(owners)
+    for index, module in enumerate(converted):
+        for name, param in module.named_parameters():
+            slots.setdefault(id(param), (index, name))
+
+    def resolve(param: torch.Tensor) -> Optional[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+        slot = slots.get(id(param))
+        if slot is None:
+            return None
+        index, name = slot
+        master = getattr(converted[index], "amp_fx_masters", {}).get(name)
+        return (f"{index}.{name}" if prefix else name), converted[index].get_parameter(name), master
+
+    return resolve
+
+
+def _map_added_groups(optimizer: torch.optim.Optimizer, resolve: Callable) -> None:
+    """Make ``optimizer.add_param_group`` take an original model's parameters as its converted low ones.
+
+    At O3 the optimizer steps the converted module's tensors; a group of the
+    original model's parameters would otherwise train tensors nothing runs with.
+    """
+    add = optimizer.add_param_group
+
+    def add_param_group(param_group: dict[str, Any]) -> None:
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        group["params"] = [(resolve(p) or (None, p))[1] for p in params]
+        add(group)
+
+    add_param_group.__doc__ = add.__doc__
+    optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
 
 
 @dataclass(eq=False)
@@ -102,14 +146,23 @@ class OptimizerRecord:
     """``scale_loss``'s bookkeeping for one optimizer returned by ``initialize``."""
 
     optimizer: Any
-    module_params: list[torch.Tensor]  # the tensors backward writes gradients into
     masters: bool = False  # a MasterWeightOptimizer: accumulate in the fp32 master grads
     scaled: bool = False  # grads hold a still-scaled sum (delay_unscale=True blocks)
     skip_pending: bool = False
     session: Any = None  # the initialize call (its loss scalers) this optimizer belongs to
     _stash: list = field(default_factory=list)
+    # The master optimizer's _grad_epoch when a block last left its unscaled sum in the
+    # master grads; any other epoch means those grads are an old iteration's.
+    _summed_epoch: Optional[int] = None
 
     # --------------------------------------------------------------- stash
+    @property
+    def module_params(self) -> list[torch.Tensor]:
+        """The tensors backward writes gradients into (groups added later included)."""
+        if self.masters:
+            return list(self.optimizer.module_parameters())
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
     def _grad_holders(self) -> list[torch.Tensor]:
         # Where the unscaled running sum lives: the fp32 masters for O2, else the module's tensors.
         if self.masters:
@@ -120,6 +173,11 @@ class OptimizerRecord:
         """Set the unscaled grads aside, so the next backward starts from none (Apex's stash)."""
         if self.scaled:
             return  # a delayed sum keeps accumulating, still scaled
+        if self.masters and self._summed_epoch != self.optimizer._grad_epoch:
+            # First block since the last step or zero_grad(): the master grads are derived from the
+            # model's, never kept, so whatever they hold is stale (the model's may have been zeroed).
+            for _, master in self.optimizer._pairs:
+                master.grad = None
         self._stash = [(p, p.grad) for p in self._grad_holders() if p.grad is not None]
         for p, _ in self._stash:
             p.grad = None
@@ -145,6 +203,7 @@ class OptimizerRecord:
             # The fp32 master grads now hold the whole unscaled sum; the module's low grads hold at
             # most the last loss's scaled part (or nothing), so step() must not copy them over again.
             self.optimizer._grads_synced = True
+            self._summed_epoch = self.optimizer._grad_epoch
 
     def has_new_grads(self) -> bool:
         """Whether backward wrote any gradient for this optimizer since the stash."""
@@ -169,6 +228,7 @@ class OptimizerRecord:
             else:
                 del optimizer.step
             self.skip_pending = False
+            self._summed_epoch = None  # the skipped iteration's sum must not leak into the next
             return False
 
         optimizer.step = skipped_step

@@ -39,9 +39,22 @@ def collapse_error(min_scale: float, streak: int, loss_scale: float, on_collapse
         from amp_fx.overflow import diagnose_collapse  # lazy: the runtime itself needs no fx
 
         try:
-            diagnosis = diagnose_collapse(reproduce, loss_scale=loss_scale)
+            diagnosis = diagnose_collapse(lambda: _uncompiled(reproduce()), loss_scale=loss_scale)
             message += "\n" + (str(diagnosis) if diagnosis is not None else
                                "Reproducing the step found no node that overflows in low precision but not in fp32.")
         except Exception as error:  # a failed diagnosis must not hide the collapse itself
             message += f"\n(diagnosis failed: {type(error).__name__}: {error})"
     return LossScaleCollapseError(message, diagnosis)
+
+
+def _uncompiled(step: Any) -> Any:
+    """Let ``reproduce()`` return a ``torch.compile``d module: the diagnosis reads the graph inside it."""
+    from .modules import unwrap_compiled
+
+    if isinstance(step, tuple) and step:
+        return (unwrap_compiled(step[0]), *step[1:])
+    if hasattr(step, "module"):
+        import dataclasses
+
+        return dataclasses.replace(step, module=unwrap_compiled(step.module))
+    return step

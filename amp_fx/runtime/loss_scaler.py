@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections import abc
 from enum import Enum
 from typing import Any, Callable
 
 import torch
+
+from amp_fx.config import parse_dtype
 
 from .collapse import ON_COLLAPSE, LossScaleCollapseError, collapse_error
 from .overflow import check_and_unscale_, combined_found_inf, grads_of
@@ -57,6 +60,30 @@ class _Stage(Enum):
 
 # dtypes that have fp32's exponent range, so loss scaling buys nothing.
 _NO_SCALING_DTYPES = (torch.bfloat16, torch.float32)
+# 0-dim losses of these dtypes come out of scale() in fp32, as from GradScaler.
+_PROMOTED_TO_FP32 = (torch.float16, torch.bfloat16)
+_NO_GRADS_FIX = (
+    "A common cause: the optimizer was built over the original model's parameters, but "
+    "amp_fx.convert(model, 'O2'/'O3') trains low-precision copies of them. At O2 wrap it: "
+    "amp_fx.MasterWeightOptimizer(optimizer, converted) (the original parameters are the fp32 masters); "
+    "at O3 build it over converted.parameters()."
+)
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+
+
+def _parse_dtype(dtype: Any) -> torch.dtype | None:
+    """Accept what :func:`amp_fx.convert` accepts (``"fp16"``, ``"half"``, ``"bf16"``, ...) and fp32."""
+    if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype.lower()]
+    if dtype is None or dtype == torch.float32:
+        return dtype
+    try:
+        return parse_dtype(dtype)
+    except ValueError:
+        raise ValueError(
+            f"dtype must be torch.float16, torch.bfloat16, torch.float32 or None (or one of the strings "
+            f"'fp16', 'half', 'float16', 'bf16', 'bfloat16', 'fp32', 'float32'), got {dtype!r}"
+        ) from None
 
 
 class LossScaler(ScalerStateMixin):
@@ -74,7 +101,8 @@ class LossScaler(ScalerStateMixin):
         hysteresis: back off only after this many consecutive overflowing
             iterations (1 = every overflow, as GradScaler). Once reached, every
             further consecutive overflow backs off again; a clean step resets it.
-        dtype: the low-precision dtype the model trains in. ``torch.float16`` or
+        dtype: the low-precision dtype the model trains in (a dtype, or a name
+            :func:`amp_fx.convert` accepts: ``"fp16"``, ``"half"``, ``"bf16"``). ``torch.float16`` or
             ``None`` scales like GradScaler. ``torch.bfloat16`` (and
             ``torch.float32``) turn scaling off by themselves (scale 1.0,
             ``is_enabled()`` False) unless the caller explicitly asks for
@@ -114,8 +142,7 @@ class LossScaler(ScalerStateMixin):
         on_collapse: str = "raise",
         reproduce: Callable[[], Any] | None = None,
     ) -> None:
-        if dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"dtype must be float16, bfloat16, float32 or None, got {dtype}")
+        dtype = _parse_dtype(dtype)
         asked = not isinstance(init_scale, _Default) or (
             not isinstance(dynamic, _Default) and bool(dynamic)
         )
@@ -174,11 +201,14 @@ class LossScaler(ScalerStateMixin):
         self._scaled_since_update = False
         self._last_step_taken: dict[int, bool] = {}
         self._stepping: int | None = None
+        self._warned_no_grads = False
 
     # ------------------------------------------------------------------ scale
     def scale(self, outputs: Any) -> Any:
         """Multiply a loss (or a nested list/tuple/dict/iterable of them) by the scale.
 
+        As from GradScaler, a 0-dim fp16/bf16 loss comes back fp32 (its scaled
+        value would overflow fp16); a tensor with dimensions keeps its dtype.
         When scaling is off the argument comes back as is (the same object).
         """
         if not self._scaling:
@@ -188,8 +218,12 @@ class LossScaler(ScalerStateMixin):
 
     def _apply_scale(self, val: Any) -> Any:
         if isinstance(val, torch.Tensor):
-            # A host float multiplies like GradScaler's 0-dim fp32 tensor (the scale
-            # is fp32-exact), and needs no host-to-device copy.
+            # GradScaler multiplies by a 0-dim fp32 tensor, and type promotion makes a
+            # 0-dim fp16/bf16 loss fp32 (6.3 * 65536 would overflow fp16); a loss with
+            # dimensions keeps its dtype. A host float would not promote, so promote
+            # first; the scale is fp32-exact and needs no host-to-device copy.
+            if val.dim() == 0 and val.dtype in _PROMOTED_TO_FP32:
+                val = val.float()
             return val * self._loss_scale
         if isinstance(val, abc.Mapping):
             return type(val)((k, self._apply_scale(v)) for k, v in val.items())
@@ -301,7 +335,15 @@ class LossScaler(ScalerStateMixin):
                     "has a gradient this iteration. Make sure the loss passed to "
                     "scaler.scale(loss).backward() depends on this optimizer's parameters "
                     "(with requires_grad=True), or do not call scaler.step() for an "
-                    "optimizer whose parameters got no gradients."
+                    "optimizer whose parameters got no gradients. " + _NO_GRADS_FIX
+                )
+            if not self._warned_no_grads:
+                # GradScaler would raise here; without scaling we only warn (a frozen
+                # optimizer is legal), once, because the usual cause trains nothing.
+                self._warned_no_grads = True
+                warnings.warn(
+                    "scaler.step(optimizer): none of the optimizer's parameters has a gradient, so "
+                    "nothing is updated. " + _NO_GRADS_FIX, UserWarning, stacklevel=3,
                 )
             found = False
         else:

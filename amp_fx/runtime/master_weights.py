@@ -20,6 +20,11 @@ How it cooperates with :class:`~amp_fx.runtime.LossScaler`: the scaler calls
 gradients, so it unscales the fp32 master grads (no fp16 underflow on unscale);
 ``step()`` syncs only if nobody did this iteration (so clipped master grads are
 not overwritten); on a skipped step the scaler calls ``_discard_synced_grads()``.
+
+The masters' gradients are derived, never kept: every unscale or step copies
+them from the module's gradients, so zeroing the module's gradients in any way
+(``optimizer.zero_grad()``, ``module.zero_grad()``, ``p.grad = None``) zeroes
+them, as in Apex.
 """
 
 from __future__ import annotations
@@ -30,9 +35,34 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
+from amp_fx.config import AmpConfig
+
+from .modules import unwrap_compiled
+
 __all__ = ["MasterWeightOptimizer"]
 
 _LOW = (torch.float16, torch.bfloat16)
+
+
+def _check_module(module: nn.Module) -> None:
+    """Refuse modules whose parameters need no masters: they would train, but not as the user thinks."""
+    config = getattr(module, "amp_config", None)
+    if isinstance(config, AmpConfig):
+        if not config.cast_params:
+            raise ValueError(
+                f"MasterWeightOptimizer got a module converted at {config.level}: at O0/O1 the converted "
+                "module shares the model's fp32 parameters and casts them in the graph, so there are no "
+                "low-precision parameters to keep masters of. Step a plain optimizer over "
+                "converted.parameters() (or model.parameters(): the same tensors), or convert at O2."
+            )
+        return
+    if not any(p.dtype in _LOW for p in module.parameters()):
+        raise ValueError(
+            f"MasterWeightOptimizer got a {type(module).__name__} with no float16/bfloat16 parameters, "
+            "so there is nothing to keep fp32 masters of. Pass the module amp_fx.convert(model, 'O2') "
+            "returned (its parameters are low-precision copies): "
+            "MasterWeightOptimizer(torch.optim.X(model.parameters()), converted)."
+        )
 
 
 class MasterWeightOptimizer(torch.optim.Optimizer):
@@ -42,8 +72,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         optimizer: built over the fp32 masters, or over the module's own
             parameters (its entries are then swapped for the masters, group
             options kept, as Apex did).
-        module: the module that runs; its fp16/bf16 parameters get masters,
-            other parameters (fp32 norms) are their own masters.
+        module: the module that runs (or ``torch.compile`` of it); its
+            fp16/bf16 parameters get masters, other parameters (fp32 norms)
+            are their own masters. A module converted at O0/O1, or one with no
+            low-precision parameter, is refused: it needs no masters.
         masters: ``{name: fp32 Parameter}`` named as in
             ``module.named_parameters()``. Defaults to ``module.amp_fx_masters``
             (set by the converter to the original fp32 parameters, so no third
@@ -67,9 +99,18 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         masters: Mapping[str, torch.Tensor] | None = None,
         scaler: Any = None,
     ) -> None:
+        module = unwrap_compiled(module)
+        _check_module(module)
         self.optimizer = optimizer
         self.module = module
         self._scaler = scaler
+        # Bumped by every real step and zero_grad(): master grads summed before the
+        # last bump are stale (amp_fx.scale_loss reads it between loss blocks).
+        self._grad_epoch = 0
+        # amp_fx.initialize sets it: param -> (name, module param, master) or None, so that
+        # add_param_group() can take the parameters of its other converted models.
+        self._resolve: Callable[[torch.Tensor], Any] | None = None
+        self._added = 0
         for hooks in (
             "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
             "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
@@ -112,11 +153,17 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._move_state_to_masters()
 
     # ----------------------------------------------------- parameter mapping
-    def _master_for(self, param: torch.Tensor) -> torch.Tensor:
-        """Return the master that stands for ``param`` (a module parameter or a master)."""
+    def _master_for(self, param: torch.Tensor, adopt: bool = False) -> torch.Tensor:
+        """Return the master that stands for ``param`` (a module parameter or a master).
+
+        ``adopt``: a tensor of neither kind becomes a new module parameter (Apex's
+        ``add_param_group``): a low one gets an fp32 master, an fp32 one is its own.
+        """
         name = self._names.get(id(param))
         if name is None:
             name = self._given_ids.get(id(param))
+            if name is None and adopt:
+                return self._adopt(param)
             if name is None:
                 raise ValueError(
                     "optimizer does not own the model's parameters: it holds a tensor of "
@@ -142,6 +189,22 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if master is not module_param:
             self._pairs.append((module_param, master))
         return master
+
+    def _adopt(self, param: torch.Tensor) -> torch.Tensor:
+        resolved = self._resolve(param) if self._resolve is not None else None
+        if resolved is not None:
+            name, module_param, master = resolved
+        else:
+            name, module_param, master = f"added.{self._added}", param, None
+            self._added += 1
+        if name in self._params and self._params[name] is not module_param:
+            raise ValueError(f"add_param_group: a parameter named {name!r} is already optimized")
+        self._params[name] = module_param
+        self._names[id(module_param)] = name
+        if master is not None and master is not module_param:
+            self._given[name] = master
+            self._given_ids[id(master)] = name
+        return self._master_for(module_param)
 
     def _move_state_to_masters(self) -> None:
         # An optimizer that already stepped the module's parameters keeps that
@@ -175,12 +238,25 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             yield from group["params"]
 
+    def module_parameters(self) -> Iterator[torch.Tensor]:
+        """Yield, for each tensor the optimizer steps, the tensor backward writes its gradient into."""
+        module_of = {id(master): param for param, master in self._pairs}
+        for group in self.param_groups:
+            for master in group["params"]:
+                yield module_of.get(id(master), master)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group of module parameters or masters; low-precision ones get masters."""
+        """Add a group of parameters, as Apex did: low-precision ones get fp32 masters.
+
+        The tensors may be the module's parameters, their masters, or tensors of
+        another module (a second converted model): a low one gets a new fp32
+        master, an fp32 one is its own master. The existing groups and their
+        state (momentum) are kept.
+        """
         group = dict(param_group)
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        group["params"] = [self._master_for(p) for p in params]
+        group["params"] = [self._master_for(p, adopt=True) for p in params]
         self.optimizer.add_param_group(group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -198,6 +274,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 if grads:
                     torch._foreach_zero_(grads)
         self._grads_synced = False
+        self._grad_epoch += 1
 
     # ------------------------------------------------------------------ step
     def _sync_grads_to_masters(self) -> None:
@@ -252,6 +329,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self.optimizer.step()
         self._copy_masters_to_module()
         self._grads_synced = False
+        self._grad_epoch += 1
         return loss
 
     # ------------------------------------------------------------ checkpoint
