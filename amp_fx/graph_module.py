@@ -9,22 +9,81 @@ It is an ordinary ``torch.fx.GraphModule`` with three additions:
   fp32 model and its converted forms.
 - It keeps ``amp_report`` / ``amp_config`` (and ``amp_fx_masters`` at O2)
   across ``copy.deepcopy`` and pickling.
+- Its modules are its own: a submodule it would share with the model it was
+  built from (a leaf such as Dropout or BatchNorm) is replaced by a shallow
+  copy holding the same parameter and buffer tensors, so ``.train()`` /
+  ``.eval()`` on it never flip the original model's flags.  Each module keeps
+  the flag the original had.
+- Where the graph was specialised to one train/eval mode (a branch on
+  ``self.training``, or the torch.export route), ``.train()`` / ``.eval()``
+  that change that mode warn once.
+- A grad-mode region left open by an exception in ``forward`` does not leak
+  into the caller: the grad mode is restored.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any
+import os
+import sys
+import warnings
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
-__all__ = ["AmpGraphModule", "AMP_ATTRIBUTES"]
+from amp_fx.train_flags import FROZEN_ATTR
+
+__all__ = ["AmpGraphModule", "AMP_ATTRIBUTES", "FrozenTrainingWarning"]
 
 # Attributes that describe a conversion; carried through deepcopy and pickle.
-AMP_ATTRIBUTES = ("amp_report", "amp_config", "amp_fx_masters", "amp_fx_source_dtypes")
+AMP_ATTRIBUTES = ("amp_report", "amp_config", "amp_fx_masters", "amp_fx_source_dtypes", FROZEN_ATTR)
+
+
+class FrozenTrainingWarning(UserWarning):
+    """.train()/.eval() changed a mode that the converted graph was specialised to."""
+
+
+def _shallow_clone(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
+    """A new module object with the same parameter and buffer tensors, and its own flags, hooks and children."""
+    if id(module) in memo:
+        return memo[id(module)]
+    clone = copy.copy(module)
+    memo[id(module)] = clone
+    for key, value in module.__dict__.items():
+        # _parameters, _buffers, hook dicts, RNN's _flat_weights: new containers, same tensors
+        if isinstance(value, (dict, list, set)):
+            clone.__dict__[key] = copy.copy(value)
+    clone.__dict__["_modules"] = type(module._modules)(
+        (name, None if child is None else _shallow_clone(child, memo)) for name, child in module._modules.items())
+    return clone
+
+
+def _own_modules(gm: nn.Module, root: nn.Module) -> None:
+    """Replace every submodule ``gm`` shares with ``root`` by a shallow clone; copy ``root``'s flags by path."""
+    originals = {id(m) for m in root.modules()}
+    memo: dict[int, nn.Module] = {}
+
+    def walk(parent: nn.Module) -> None:
+        for name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            if id(child) in originals:
+                parent._modules[name] = _shallow_clone(child, memo)
+            else:
+                walk(child)
+
+    walk(gm)
+    sources = dict(root.named_modules())
+    for path, module in gm.named_modules():
+        source = sources.get(path)
+        if source is not None and path and isinstance(source.training, bool):
+            module.training = source.training
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_AMP_FX_DIR = os.path.dirname(__file__)
 
 
 def _restore_source_dtypes(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -44,22 +103,66 @@ def _rebuild(reduce_fn: Any, reduce_args: tuple, class_name: str) -> "AmpGraphMo
     return rebuilt
 
 
+def _called_by_amp_fx() -> bool:
+    """True when the nearest caller outside torch is amp_fx itself (an analysis switching modes briefly)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        frame = frame.f_back
+    passes = getattr(sys.modules.get("amp_fx.passes"), "__file__", None)
+    ours = (_AMP_FX_DIR,) + ((os.path.dirname(passes),) if passes else ())
+    return frame is not None and frame.f_code.co_filename.startswith(ours)
+
+
 class AmpGraphModule(fx.GraphModule):
     """A converted model: a GraphModule with explicit casts (see module docstring)."""
 
     def __init__(self, root: Any, graph: fx.Graph, class_name: str = "AmpGraphModule"):
         super().__init__(root, graph, class_name)
         self._register_state_dict_hook(_restore_source_dtypes)
+        if isinstance(root, nn.Module):
+            _own_modules(self, root)
+            self.training = root.training
+        frozen = getattr(graph, FROZEN_ATTR, None)
+        if frozen:
+            setattr(self, FROZEN_ATTR, dict(frozen))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        active = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
-        if not active:
-            return super().__call__(*args, **kwargs)
-        # The graph already casts explicitly: an outer autocast would cast again.
-        with contextlib.ExitStack() as stack:
-            for device in active:
-                stack.enter_context(torch.autocast(device, enabled=False))
-            return super().__call__(*args, **kwargs)
+        grad = torch.is_grad_enabled()
+        try:
+            active = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+            if not active:
+                return super().__call__(*args, **kwargs)
+            # The graph already casts explicitly: an outer autocast would cast again.
+            with contextlib.ExitStack() as stack:
+                for device in active:
+                    stack.enter_context(torch.autocast(device, enabled=False))
+                return super().__call__(*args, **kwargs)
+        except BaseException:
+            torch._C._set_grad_enabled(grad)  # a no_grad region the error left open must not leak
+            raise
+
+    def train(self, mode: bool = True) -> "AmpGraphModule":
+        """Set train/eval mode on this module and its own submodules; warn once if the graph was specialised."""
+        result = super().train(mode)
+        frozen = self.__dict__.get(FROZEN_ATTR)
+        if frozen and not self.__dict__.get("_amp_fx_warned_frozen") and not _called_by_amp_fx():
+            changed = [(path, value, where) for path, (value, where) in frozen.items() if self._flag_at(path) != value]
+            if changed:
+                self._amp_fx_warned_frozen = True
+                path, value, where = changed[0]
+                what = "the whole graph" if where == "traced with torch.export" else f"a branch on self.training ({where})"
+                warnings.warn(
+                    f"amp_fx: this module was converted with {path + '.' if path else ''}training={value}, and {what} "
+                    f"keeps that mode; .train()/.eval() switch Dropout/BatchNorm and runtime reads of the flag, "
+                    f"not that. Convert the model again in the mode you need, or use torch.compile(model, backend='amp_fx').",
+                    FrozenTrainingWarning, stacklevel=2)
+        return result
+
+    def _flag_at(self, path: str) -> Optional[bool]:
+        try:
+            return self.get_submodule(path).training if path else self.training
+        except AttributeError:
+            return self.training
 
     def __deepcopy__(self, memo: dict) -> "AmpGraphModule":
         result = super().__deepcopy__(memo)

@@ -23,7 +23,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from amp_fx import regions
 from amp_fx.casts import HELPERS
+from amp_fx.errors import UnsupportedConstructError
+from amp_fx.train_flags import FROZEN_ATTR, TrainingReads
 
 __all__ = ["AmpTracer", "AmpTraceError", "trace_model", "DEFAULT_LEAF_TYPES", "module_stack_of", "user_frame"]
 
@@ -66,7 +69,28 @@ class AmpTracer(fx.Tracer):
 
     def trace(self, root: Any, concrete_args: Optional[dict] = None) -> fx.Graph:
         self._tensor_names = None
-        return super().trace(root, concrete_args)
+        self._training_reads = TrainingReads()
+        graph = None
+        try:
+            # grad-mode / autocast regions become marker nodes (amp_fx/regions.py)
+            with regions.recording(self), self._front_end_hooks():
+                graph = super().trace(root, concrete_args)
+        finally:
+            self._training_reads.restore(graph)
+        return graph
+
+    def _front_end_hooks(self) -> Any:
+        """Keep custom autograd Functions and checkpoint calls; refuse state changes and unknown contexts (amp_fx/trace_hooks.py)."""
+        from amp_fx.trace_hooks import front_end_hooks
+
+        return front_end_hooks(self)
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> Any:
+        """Make the placeholders, then the runtime reads of ``self.training`` (amp_fx/train_flags.py)."""
+        result = super().create_args_for_root(root_fn, is_module, concrete_args)
+        if is_module:
+            self._training_reads.install(self, self.root)
+        return result
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
         """Proxy parameters and buffers through a name index.
@@ -163,6 +187,9 @@ def _symbolic_trace(model: nn.Module, tracer: AmpTracer, module_class: type) -> 
 
 def _export_trace(model: nn.Module, args: tuple, kwargs: dict, module_class: type) -> fx.GraphModule:
     unlifted = torch.export.export(model, args, kwargs, strict=False).module()
+    regions.inline_region_hops(unlifted)  # grad-mode / autocast bodies inline, between markers
+    # torch.export specialises every train/eval branch: the converted module warns when .train()/.eval() differ
+    setattr(unlifted.graph, FROZEN_ATTR, {"": (model.training, "traced with torch.export")})
     if module_class is fx.GraphModule:
         return unlifted
     return module_class(unlifted, unlifted.graph, type(model).__name__)
@@ -196,6 +223,8 @@ def trace_model(
     try:
         with _TRACE_LOCK:
             return _symbolic_trace(model, tracer, module_class), "symbolic_trace"
+    except UnsupportedConstructError:
+        raise  # a refusal already names the construct, its line and the routes that work
     except Exception as error:  # any tracing failure: report it with context below
         symbolic_error = error
         failure = _describe_failure(error, tracer)

@@ -1,63 +1,62 @@
-"""Rewrite: honour the user's own ``torch.autocast`` regions in a Dynamo graph, then remove them.
+"""Rewrite: keep the model's own grad-mode and autocast regions, on every route.
 
-Dynamo records ``with torch.autocast(...)`` inside a model as a pair of
-nodes, ``_enter_autocast(device_type, dtype, enabled, cache_enabled)`` and
-``_exit_autocast(ctx)``.  Left in the graph, the inner compiler would trace
-the region under autocast and cast a second time on top of amp_fx's casts.
-This pass runs after ``assign_precision`` (the paint exists) and before
-``insert_casts`` (nothing is cast yet):
+The regions arrive as marker nodes (:mod:`amp_fx.regions`): written by
+AmpTracer on the symbolic route, inlined from torch.export's higher-order
+ops on the export route, and written by Dynamo itself under the compiler
+backend.  This pass runs after ``assign_precision`` (the paint exists) and
+before ``insert_casts`` (nothing is cast yet):
 
-1. Walk the graph in order with a stack of open regions for the graph's
-   device type; the innermost region is the one in force.
-2. Inside a region with ``enabled=False``, every computing node is pinned to
-   fp32 (decision "fp32", rule "autocast"): the model's author turned
-   autocast off to get full precision there.
-3. Inside a region with ``enabled=True`` the level's tables decide, as
-   autocast's own lists would; a region asking for another low dtype than the
-   conversion's is noted in the stats (amp_fx has one low dtype per graph).
+1. Walk the graph in order with the stack of open regions
+   (:func:`amp_fx.regions.region_stacks`); for autocast, only regions of the
+   graph's device type count, and the innermost one is in force.
+2. ``autocast(enabled=False)``: every computing node is pinned to fp32
+   (decision "fp32", rule "autocast"), as the model wrote it for fp32 weights.
+3. An enabled region lets the level decide, as autocast's own lists would;
+   a low op in a region whose dtype differs from the conversion's runs in the
+   region's dtype (``amp_fx.low_dtype``, read by the dtype analysis).
 4. A policy rule beats a region, a region beats the tables.  The model's own
-   casts (``x.float()``), graph inputs and outputs keep their decision.
-5. The enter/exit nodes of those regions are erased: the casts become explicit.
+   casts, graph inputs and outputs keep their decision.  Every other node in
+   a region reports rule ``autocast`` or ``grad-mode`` (the innermost region's
+   kind), and the reason names the region.
+5. Autocast markers of the graph's device are erased: the casts are explicit.
+   Grad-mode markers stay: they set and restore grad mode at run time.
+6. A parameter or input read under two grad modes gets one read (a view) per
+   mode, so a cast of it is never shared between them: a cast made under
+   ``no_grad`` must not feed an op that needs its gradient.
 
 Regions for another device type than the graph's do nothing to its ops under
-eager autocast either; they are left in place.  Graphs without autocast
-nodes (every graph ``convert()`` traces) are returned untouched.
+eager autocast either; they are left in place.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.fx as fx
 
 from amp_fx.pass_manager import PassContext, PassResult
+from amp_fx.regions import LOW_DTYPE_KEY, Region, autocast_rule, marker_role, region_stacks, separate_grad_reads
+from amp_fx.train_flags import FROZEN_ATTR
 
 __all__ = ["honour_autocast_regions", "is_autocast_enter", "is_autocast_exit"]
 
 logger = logging.getLogger("amp_fx.passes.honour_autocast_regions")
 
-_KEEP = frozenset({"cast", "none", "entry", "exit"})
+_SKIP = frozenset({"none", "entry", "exit"})
+_CALLS = frozenset({"call_function", "call_method", "call_module"})
+_REGION_KEY = "amp_fx.region"  # the regions a node was painted for (a second run changes nothing)
 
 
 def is_autocast_enter(node: fx.Node) -> bool:
-    """True for Dynamo's ``torch.amp.autocast_mode._enter_autocast`` node."""
-    return node.op == "call_function" and node.target is getattr(torch.amp.autocast_mode, "_enter_autocast", None)
+    """True for an autocast region's enter marker (Dynamo's ``_enter_autocast`` or amp_fx's)."""
+    return marker_role(node) == ("enter", "autocast")
 
 
 def is_autocast_exit(node: fx.Node) -> bool:
-    """True for Dynamo's ``torch.amp.autocast_mode._exit_autocast`` node."""
-    return node.op == "call_function" and node.target is getattr(torch.amp.autocast_mode, "_exit_autocast", None)
-
-
-def _region_args(node: fx.Node) -> tuple[str, Optional[torch.dtype], bool]:
-    """(device_type, dtype, enabled) of an enter node, as torch.autocast reads them."""
-    names = ("device_type", "dtype", "enabled", "cache_enabled")
-    values: dict[str, Any] = dict(zip(names, node.args))
-    values.update(node.kwargs)
-    enabled = values.get("enabled", True)
-    return str(values.get("device_type")), values.get("dtype"), True if enabled is None else bool(enabled)
+    """True for an autocast region's exit marker."""
+    return marker_role(node) == ("exit", "autocast")
 
 
 def _graph_device(gm: fx.GraphModule, ctx: PassContext) -> str:
@@ -68,61 +67,94 @@ def _graph_device(gm: fx.GraphModule, ctx: PassContext) -> str:
         value = node.meta.get("example_value", node.meta.get("val"))
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             return value.device.type
+    for tensor in gm.parameters():
+        return tensor.device.type
     return "cpu"
 
 
-def _pin(node: fx.Node, reason: str) -> None:
-    if node.meta.get("amp_fx.inplace"):
-        reason = f"{reason} (in-place: computed out of place in fp32, written back)"
-    node.meta["amp_fx.decision"] = "fp32"
-    node.meta["amp_fx.reason"] = reason
-    node.meta["amp_fx.rule"] = "autocast"
+def _returns_nothing(node: fx.Node) -> bool:
+    """True for checks such as export's ``_assert_tensor_metadata``: they compute nothing to pin."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and not target._schema.returns
+
+
+def _repaint(node: fx.Node, regions: tuple[Region, ...], low: torch.dtype) -> Optional[str]:
+    """Apply the innermost regions' rules to ``node``; return "fp32" when it was pinned."""
+    meta = node.meta
+    decision = meta.get("amp_fx.decision", "follow")
+    autocast = [r for r in regions if r.kind == "autocast"]
+    grads = [r for r in regions if r.kind == "grad"]
+    reasons = []
+    pinned = None
+    computing = not (meta.get("amp_fx.is_tensor") is False and meta.get("amp_fx.is_float") is False) and not _returns_nothing(node)
+    if autocast:
+        new_decision, low_dtype, reason = autocast_rule(autocast[-1], decision, low)
+        if decision != "cast" and computing:
+            if new_decision is not None:
+                meta["amp_fx.decision"] = pinned = new_decision
+                if meta.get("amp_fx.inplace"):
+                    reason = f"{reason} (in-place: computed out of place in fp32, written back)"
+                meta["amp_fx.reason"] = reason
+            elif low_dtype is not None:
+                meta[LOW_DTYPE_KEY] = low_dtype
+                meta["amp_fx.reason"] = reason
+            else:
+                reasons.append(reason)
+        else:
+            reasons.append(f"inside the model's {autocast[-1].describe()} region")
+    reasons += [f"inside the model's {r.describe()} region" for r in grads[-1:]]
+    if reasons:
+        meta["amp_fx.reason"] = "; ".join([meta.get("amp_fx.reason", "")] + reasons).strip("; ")
+    innermost = regions[-1]
+    if not (innermost.kind == "grad" and meta.get("amp_fx.rule") == "unknown"):
+        meta["amp_fx.rule"] = "autocast" if innermost.kind == "autocast" else "grad-mode"
+    return pinned
 
 
 def honour_autocast_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Pin ops of ``autocast(enabled=False)`` regions to fp32 and erase the region nodes."""
+    """Paint the nodes of the model's grad-mode and autocast regions and erase the autocast markers."""
     device = _graph_device(gm, ctx)
-    stack: list[tuple[fx.Node, bool, Optional[torch.dtype]]] = []
-    region_nodes: list[fx.Node] = []
-    pinned = regions = foreign = 0
-    other_dtype: set[str] = set()
-    for node in list(gm.graph.nodes):
-        if is_autocast_enter(node):
-            device_type, dtype, enabled = _region_args(node)
-            if device_type != device:
-                foreign += 1
-                continue
-            stack.append((node, enabled, dtype))
-            region_nodes.append(node)
-            regions += 1
-            if enabled and dtype is not None and dtype != ctx.low:
-                other_dtype.add(str(dtype).replace("torch.", ""))
+    graph = gm.graph
+    stacks = region_stacks(graph)
+    autocast_markers = [n for n in graph.nodes if marker_role(n) is not None and marker_role(n)[1] == "autocast"]
+    foreign = [n for n in autocast_markers if marker_role(n)[0] == "enter" and n.args and n.args[0] != device]
+    pinned = painted = 0
+    for node in graph.nodes:
+        role = marker_role(node)
+        if role is not None and node.meta.get("amp_fx.decision") != "none":
+            node.meta.update({"amp_fx.decision": "none", "amp_fx.rule": "autocast" if role[1] == "autocast" else "grad-mode",
+                              "amp_fx.reason": f"the model's {role[1]} region marker ({role[0]})",
+                              "amp_fx.is_tensor": False, "amp_fx.is_float": False})
+    for node, regions in stacks.items():
+        relevant = tuple(r for r in regions if r.kind == "grad" or r.device == device)
+        if not relevant or node.op not in _CALLS:
             continue
-        if is_autocast_exit(node):
-            entered = node.args[0] if node.args else None
-            if any(entry is entered for entry, _, _ in stack):
-                while stack and stack[-1][0] is not entered:
-                    stack.pop()
-                stack.pop()
-                region_nodes.append(node)
+        if node.meta.get("amp_fx.decision") in _SKIP or node.meta.get("amp_fx.rule") == "policy":
             continue
-        if not stack or stack[-1][1]:
-            continue
-        if node.op != "call_function" and node.op != "call_method" and node.op != "call_module":
-            continue
-        if node.meta.get("amp_fx.decision") in _KEEP or node.meta.get("amp_fx.rule") == "policy":
-            continue
-        if node.meta.get("amp_fx.is_tensor") is False and node.meta.get("amp_fx.is_float") is False:
-            continue
-        _pin(node, f"inside the model's torch.autocast({device!r}, enabled=False) region: fp32")
-        pinned += 1
+        key = tuple(r.describe() for r in relevant)
+        if node.meta.get(_REGION_KEY) == key:
+            continue  # painted by an earlier run
+        node.meta[_REGION_KEY] = key
+        painted += 1
+        if _repaint(node, relevant, ctx.low) == "fp32":
+            pinned += 1
     # Exits first: each reads its enter node.
-    for node in sorted(region_nodes, key=lambda n: not is_autocast_exit(n)):
+    erased = [n for n in autocast_markers if n not in foreign and not (marker_role(n)[0] == "exit" and n.args and n.args[0] in foreign)]
+    for node in sorted(erased, key=lambda n: not is_autocast_exit(n)):
         if not node.users:
-            gm.graph.erase_node(node)
-    if regions:
-        logger.debug("honoured %d autocast regions, pinned %d nodes to fp32", regions, pinned)
-    stats = {"regions": regions, "pinned_fp32": pinned, "other_device_regions": foreign}
-    if other_dtype:
-        stats["region_dtypes_not_honoured"] = sorted(other_dtype)
-    return PassResult(gm, bool(region_nodes), stats)
+            graph.erase_node(node)
+    separated = separate_grad_reads(graph)
+    grad_regions = len({id(r) for regions in stacks.values() for r in regions if r.kind == "grad"})
+    regions = sum(1 for n in erased if is_autocast_enter(n))
+    if regions or grad_regions:
+        logger.debug("honoured %d autocast and %d grad-mode regions, pinned %d nodes to fp32", regions, grad_regions, pinned)
+    stats = {"regions": regions, "grad_regions": grad_regions, "pinned_fp32": pinned, "painted": painted,
+             "separate_grad_reads": separated, "other_device_regions": len(foreign)}
+    lines = [f"{where}: forward branches on {path or 'the model'}.training; the graph keeps training={value} "
+             "(.train()/.eval() warn)" for path, (value, where) in (getattr(gm, FROZEN_ATTR, None) or {}).items()
+             if where != "traced with torch.export"]
+    if regions or grad_regions:
+        lines.append(f"kept the model's regions: {regions} autocast, {grad_regions} grad-mode ({painted} nodes inside)")
+    if lines:
+        stats["report_lines"] = lines
+    return PassResult(gm, bool(erased) or painted > 0 or separated > 0, stats)
