@@ -9,6 +9,7 @@ import torch.fx as fx
 from amp_fx.config import AmpConfig
 from amp_fx.pass_manager import AmpPass, PassContext, run_passes
 from amp_fx.report import ConversionReport, build_report
+from amp_fx.trace_hooks import finish_trace
 from amp_fx.passes.assign_precision import assign_precision
 from amp_fx.passes.cast_params import cast_params
 from amp_fx.passes.dedupe_casts import dedupe_casts
@@ -48,4 +49,5 @@ def rewrite_graph(gm: fx.GraphModule, ctx: PassContext, *, own_params: bool, not
     """Run the level's pipeline on ``gm`` (in place) and build its report."""
     gm = run_passes(gm, ctx, build_pipeline(ctx.config, own_params=own_params))
     report = build_report(gm, level=ctx.config.level, dtype=ctx.low, route=ctx.route, passes=ctx.stats, notes=notes or [])
+    gm = finish_trace(gm, report)  # checkpointed regions outlined after the report (amp_fx/trace_hooks.py)
     return gm, report

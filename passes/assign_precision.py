@@ -26,6 +26,7 @@ import logging
 import torch.fx as fx
 
 from amp_fx import tables
+from amp_fx.declared_precision import declared_precision, policy_target
 from amp_fx.errors import BannedOpError, UnknownOpError
 from amp_fx.op_keys import CAST_OPS
 from amp_fx.pass_manager import PassContext, PassResult
@@ -98,11 +99,15 @@ def _decide(node: fx.Node, ctx: PassContext) -> tuple[str, str, str]:
     op = node.meta.get("amp_fx.op") or str(node.target)
     if op in CAST_OPS:
         return "cast", "explicit cast", "model"
-    rule = ctx.policy.decide(op, node.target, node.meta.get("amp_fx.module_stack") or [])
+    rule = ctx.policy.decide(op, policy_target(node), node.meta.get("amp_fx.module_stack") or [])
     if rule is not None:
         if op in tables.BANNED and rule.decision != "fp32" and not config.allow_banned:
             raise BannedOpError(f"{tables.BANNED[op]}\n  ({_where(node)}; {rule.describe()} would run it {rule.decision})")
         return rule.decision, rule.describe(), "policy"
+    # custom_fwd(cast_inputs=) / register_autocast rules of opaque calls, as autocast reads them
+    declared = declared_precision(node, ctx)
+    if declared is not None:
+        return declared
     return _level_decision(node, op, ctx)
 
 
