@@ -43,6 +43,8 @@ def cast_params(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Cast floating parameters and buffers to the low dtype (norms kept fp32 when asked)."""
     low = ctx.low
     keep = norm_tensor_names(gm) if ctx.config.keep_batchnorm_fp32 else set()
+    # read only by the model's autocast(enabled=False) regions (honour_autocast_regions marks them): stay fp32
+    keep |= {n.meta["amp_fx.param"] for n in gm.graph.nodes if n.meta.get("amp_fx.keep_fp32") and n.meta.get("amp_fx.param")}
     source_dtypes: dict[str, torch.dtype] = ctx.extra.setdefault("source_dtypes", {})
     cast = 0
     kept_float64 = []

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from amp_fx import tables
 from amp_fx.pass_manager import PassContext, PassResult
 from amp_fx.regions import LOW_DTYPE_KEY, Region, autocast_rule, marker_role, region_stacks, separate_grad_reads
 from amp_fx.train_flags import FROZEN_ATTR
@@ -111,6 +112,57 @@ def _repaint(node: fx.Node, regions: tuple[Region, ...], low: torch.dtype) -> Op
     return pinned
 
 
+def _fp32_only(node: fx.Node, seen: set) -> tuple[bool, bool]:
+    """(every reader of ``node`` ends in fp32, at least one of them is pinned by an autocast region)."""
+    pinned = False
+    for user in node.users:
+        if user in seen:
+            continue
+        seen.add(user)
+        meta = user.meta
+        if meta.get("amp_fx.decision") == "fp32":
+            pinned |= meta.get("amp_fx.rule") == "autocast"
+        elif _returns_nothing(user):
+            continue  # export's dtype assertions read values and compute nothing
+        elif meta.get("amp_fx.decision") == "cast" and _casts_to_fp32(user):
+            ok, deeper = _fp32_only(user, seen)
+            if not ok:
+                return False, False
+            pinned |= deeper
+        elif meta.get("amp_fx.decision") == "follow" and meta.get("amp_fx.op") in tables.DATA_MOVEMENT:
+            ok, deeper = _fp32_only(user, seen)
+            if not ok:
+                return False, False
+            pinned |= deeper
+        else:
+            return False, False
+    return True, pinned
+
+
+def _casts_to_fp32(node: fx.Node) -> bool:
+    """A model-written cast to fp32: ``x.float()``, ``x.to(torch.float32)`` or aten ``to``/``_to_copy``."""
+    if node.meta.get("amp_fx.op") == "float":
+        return True
+    dtypes = [a for a in list(node.args[1:]) + list(node.kwargs.values()) if isinstance(a, torch.dtype)]
+    return dtypes == [torch.float32]
+
+
+def _mark_fp32_only_weights(graph: fx.Graph) -> int:
+    """Mark weights read only in ``autocast(enabled=False)`` regions (rotary ``inv_freq``): O2 keeps them fp32.
+
+    Casting them low and back would round what the model's author asked to
+    compute in fp32.
+    """
+    marked = 0
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.meta.get("amp_fx.param") and node.meta.get("amp_fx.is_float"):
+            ok, pinned = _fp32_only(node, set())
+            if ok and pinned and not node.meta.get("amp_fx.keep_fp32"):
+                node.meta["amp_fx.keep_fp32"] = True
+                marked += 1
+    return marked
+
+
 def honour_autocast_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Paint the nodes of the model's grad-mode and autocast regions and erase the autocast markers."""
     device = _graph_device(gm, ctx)
@@ -143,13 +195,14 @@ def honour_autocast_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for node in sorted(erased, key=lambda n: not is_autocast_exit(n)):
         if not node.users:
             graph.erase_node(node)
+    kept = _mark_fp32_only_weights(graph)
     separated = separate_grad_reads(graph)
     grad_regions = len({id(r) for regions in stacks.values() for r in regions if r.kind == "grad"})
     regions = sum(1 for n in erased if is_autocast_enter(n))
     if regions or grad_regions:
         logger.debug("honoured %d autocast and %d grad-mode regions, pinned %d nodes to fp32", regions, grad_regions, pinned)
     stats = {"regions": regions, "grad_regions": grad_regions, "pinned_fp32": pinned, "painted": painted,
-             "separate_grad_reads": separated, "other_device_regions": len(foreign)}
+             "separate_grad_reads": separated, "weights_kept_fp32": kept, "other_device_regions": len(foreign)}
     lines = [f"{where}: forward branches on {path or 'the model'}.training; the graph keeps training={value} "
              "(.train()/.eval() warn)" for path, (value, where) in (getattr(gm, FROZEN_ATTR, None) or {}).items()
              if where != "traced with torch.export"]
@@ -157,4 +210,4 @@ def honour_autocast_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         lines.append(f"kept the model's regions: {regions} autocast, {grad_regions} grad-mode ({painted} nodes inside)")
     if lines:
         stats["report_lines"] = lines
-    return PassResult(gm, bool(erased) or painted > 0 or separated > 0, stats)
+    return PassResult(gm, bool(erased) or painted > 0 or separated > 0 or kept > 0, stats)
