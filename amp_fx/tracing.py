@@ -57,6 +57,10 @@ class AmpTraceError(RuntimeError):
 class AmpTracer(fx.Tracer):
     """fx tracer that records module scope and source lines and honours user leaf modules."""
 
+    # Buffers are graph values: an in-place update in forward (a step counter, an EMA) is
+    # recorded and runs every call, instead of running once on the model during tracing.
+    proxy_buffer_attributes = True
+
     def __init__(self, leaf_modules: Iterable[Union[type, str]] = ()):
         super().__init__(autowrap_functions=HELPERS)
         self._tensor_names: Optional[tuple[dict[int, str], dict[int, str]]] = None

@@ -1,0 +1,198 @@
+"""What a symbolic trace would freeze or drop is refused, with the construct, its source line and the route that works.
+
+The rules under test: a forward that changes a module's Python attribute,
+or enters a PyTorch context manager that changes how ops run, makes
+convert() raise UnsupportedConstructError (and leaves the model unchanged);
+the compiler backend keeps such a forward's meaning; the model's own
+@contextmanager functions are converted and noted in the report.
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import amp_fx
+from amp_fx.errors import AmpError, UnsupportedConstructError
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.a(x) * self.calls
+
+
+class Remember(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        self.last = h
+        return h.relu()
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Counter()
+
+    def forward(self, x):
+        return self.inner(x) + 1
+
+
+class BufferCounter(nn.Module):
+    """The way that every route keeps: a buffer updated in place by a tensor op."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.a(x) * self.calls
+
+
+def test_attribute_change_is_refused_with_line_and_route():
+    model = Counter()
+    with pytest.raises(UnsupportedConstructError) as info:
+        amp_fx.convert(model, "O1")
+    message = str(info.value)
+    assert "'calls'" in message and "0 -> 1" in message
+    assert "self.calls += 1" in message and "test_detection.py" in message
+    assert "backend='amp_fx'" in message
+    assert isinstance(info.value, AmpError) and info.value.construct == "module attribute assignment in forward"
+    assert model.calls == 0  # refused before the assignment: the model is not changed
+
+
+def test_storing_a_traced_tensor_is_refused():
+    with pytest.raises(UnsupportedConstructError, match=r"(?s)'last'.*a traced tensor.*self\.last = h"):
+        amp_fx.convert(Remember(), "O1")
+
+
+def test_the_error_names_the_submodule():
+    with pytest.raises(UnsupportedConstructError, match="module 'inner' sets attribute 'calls'"):
+        amp_fx.convert(Outer(), "O1")
+
+
+def test_refused_with_example_inputs_too():
+    with pytest.raises(UnsupportedConstructError):
+        amp_fx.convert(Counter(), "O1", example_inputs=(torch.randn(2, 8),))
+
+
+def test_backend_keeps_the_attribute_change():
+    """Dynamo replays the assignment on every call: the route the error recommends works."""
+    model, x = Counter(), torch.randn(2, 8)
+    compiled = torch.compile(model, backend=amp_fx.backend(inner="aot_eager"))
+    first, second = compiled(x), compiled(x)
+    assert model.calls == 2
+    base = model.a(x)
+    torch.testing.assert_close(first.float(), base, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(second.float(), 2 * base, rtol=2e-2, atol=4e-2)
+
+
+def test_buffer_updated_in_place_is_kept():
+    model, x = BufferCounter(), torch.randn(2, 8)
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    base = gm(x) / 1.0
+    again = gm(x)
+    assert gm.calls.item() == 2
+    torch.testing.assert_close(again.float(), 2 * base.float(), rtol=2e-2, atol=2e-2)
+
+
+# -- context managers -------------------------------------------------------------
+
+class ForkRng(nn.Module):
+    def forward(self, x):
+        with torch.random.fork_rng():
+            return F.dropout(x, 0.5, training=True)
+
+
+class SdpaKernel(nn.Module):
+    def forward(self, q):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, q, q)
+
+
+class BackendFlags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.backends.mkldnn.flags(enabled=False):
+            return self.a(x)
+
+
+class SavedHooks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            return self.a(x)
+
+
+class Doubler(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class WithMode(nn.Module):
+    def forward(self, x):
+        with Doubler():
+            return x + 1
+
+
+@pytest.mark.parametrize("model, name, line", [
+    (ForkRng(), "torch.random.fork_rng", "with torch.random.fork_rng():"),
+    (SdpaKernel(), "sdpa_kernel", "with sdpa_kernel(SDPBackend.MATH):"),
+    (BackendFlags(), "torch.backends.mkldnn.flags", "with torch.backends.mkldnn.flags(enabled=False):"),
+    (SavedHooks(), "saved_tensors_hooks", "with torch.autograd.graph.saved_tensors_hooks"),
+    (WithMode(), "TorchFunctionMode (Doubler)", "with Doubler():"),
+])
+def test_pytorch_context_managers_are_refused(model, name, line):
+    with pytest.raises(UnsupportedConstructError) as info:
+        amp_fx.convert(model, "O1")
+    message = str(info.value)
+    assert name in message and line in message and "test_detection.py" in message
+    assert "backend='amp_fx'" in message
+
+
+@contextlib.contextmanager
+def logging_scope(tag):
+    yield tag
+
+
+class OwnContext(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with logging_scope("block"):
+            h = self.a(x)
+        with torch.autograd.profiler.record_function("head"):
+            return h.relu()
+
+
+def test_models_own_context_manager_is_converted_and_noted():
+    model, x = OwnContext(), torch.randn(2, 8)
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    torch.testing.assert_close(gm(x).float(), expected.float())
+    notes = [n for n in gm.amp_report.notes if "context manager" in n]
+    assert len(notes) == 1 and "logging_scope" in notes[0] and "with logging_scope" in notes[0]
