@@ -8,7 +8,7 @@ model's code ran under ``torch.no_grad()`` / ``enable_grad()`` /
 - The symbolic route (:func:`recording`) emits the markers while fx traces:
   the context managers' ``__enter__``/``__exit__`` are patched for the trace,
   so ``with`` blocks and decorators on methods are both seen.
-- The export route (:func:`inline_region_hops`) inlines torch.export's
+- The export route (:func:`amp_fx.regions_export.inline_region_hops`) inlines torch.export's
   ``wrap_with_set_grad_enabled`` / ``wrap_with_autocast`` bodies between markers.
 - Dynamo writes ``_enter_autocast``/``_exit_autocast`` and
   ``torch._C._set_grad_enabled(b)`` nodes itself; :func:`region_stacks` reads
@@ -25,7 +25,6 @@ autocast itself, as the model would.
 from __future__ import annotations
 
 import contextlib
-import operator
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -37,7 +36,7 @@ from torch.fx.proxy import Proxy
 
 __all__ = [
     "grad_enter", "grad_exit", "inference_enter", "inference_exit", "autocast_enter", "autocast_exit",
-    "Region", "marker_role", "region_stacks", "recording", "inline_region_hops", "autocast_rule",
+    "Region", "marker_role", "region_stacks", "recording", "autocast_rule",
     "region_dtype", "separate_grad_reads", "LOW_DTYPE_KEY",
 ]
 
@@ -340,88 +339,6 @@ def recording(tracer: Any) -> Iterator[None]:
         for cls, name, original in saved:
             setattr(cls, name, original)
         _RECORDING = previous
-
-
-# --------------------------------------------------------------------------
-# The export route: inline torch.export's region higher-order ops
-# --------------------------------------------------------------------------
-def _hop(name: str) -> Any:
-    return getattr(torch.ops.higher_order, name, None)
-
-
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    value: Any = gm
-    for atom in target.split("."):
-        value = getattr(value, atom)
-    return value
-
-
-def _inline_one(gm: fx.GraphModule, node: fx.Node, enter_fn: Any, enter_args: tuple, exit_fn: Any, body_arg: int) -> None:
-    graph = gm.graph
-    body_node = node.args[body_arg]
-    body: fx.GraphModule = _attr(gm, str(body_node.target))
-    operands = node.args[body_arg + 1:]
-    values: dict[fx.Node, Any] = {}
-    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    for placeholder, operand in zip(placeholders, operands):
-        values[placeholder] = operand
-    with graph.inserting_before(node):
-        enter = graph.call_function(enter_fn, enter_args)
-        enter.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
-        for inner in body.graph.nodes:
-            if inner.op in ("placeholder", "output"):
-                continue
-            if inner.op in ("get_attr", "call_module"):
-                # a nested region's body, or a constant: move it onto the outer module under a fresh name
-                name = _fresh_name(gm, str(inner.target).replace(".", "_"))
-                setattr(gm, name, _attr(body, str(inner.target)))
-                copied = graph.node_copy(inner, lambda n: values[n])
-                copied.target = name
-            else:
-                copied = graph.node_copy(inner, lambda n: values[n])
-            values[inner] = copied
-        output = next(n for n in body.graph.nodes if n.op == "output")
-        results = fx.node.map_arg(output.args[0], lambda n: values[n])
-        exit_node = graph.call_function(exit_fn, (enter,))
-    for user in list(node.users):
-        if user.op == "call_function" and user.target is operator.getitem:
-            user.replace_all_uses_with(results[user.args[1]])
-            graph.erase_node(user)
-    if node.users:  # the tuple used whole: build it
-        with graph.inserting_after(exit_node):
-            whole = graph.call_function(tuple, (list(results),))
-        node.replace_all_uses_with(whole)
-    graph.erase_node(node)
-    if not body_node.users:
-        graph.erase_node(body_node)
-
-
-def _fresh_name(gm: fx.GraphModule, base: str) -> str:
-    name, index = base, 0
-    while hasattr(gm, name):
-        index += 1
-        name = f"{base}_{index}"
-    return name
-
-
-def inline_region_hops(gm: fx.GraphModule) -> int:
-    """Inline every ``wrap_with_set_grad_enabled`` / ``wrap_with_autocast`` body between markers; return how many."""
-    grad_hop, autocast_hop = _hop("wrap_with_set_grad_enabled"), _hop("wrap_with_autocast")
-    inlined = 0
-    while True:
-        hops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (grad_hop, autocast_hop) and n.target is not None]
-        if not hops:
-            break
-        for node in hops:
-            if node.target is grad_hop:
-                _inline_one(gm, node, grad_enter, (bool(node.args[0]),), grad_exit, 1)
-            else:
-                _inline_one(gm, node, autocast_enter, tuple(node.args[:4]), autocast_exit, 4)
-            inlined += 1
-    if inlined:
-        gm.graph.lint()
-        gm.recompile()
-    return inlined
 
 
 # --------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from amp_fx import regions
+from amp_fx import regions, regions_export
 from amp_fx.casts import HELPERS
 from amp_fx.errors import UnsupportedConstructError
 from amp_fx.train_flags import FROZEN_ATTR, TrainingReads
@@ -190,8 +190,10 @@ def _symbolic_trace(model: nn.Module, tracer: AmpTracer, module_class: type) -> 
 
 
 def _export_trace(model: nn.Module, args: tuple, kwargs: dict, module_class: type) -> fx.GraphModule:
-    unlifted = torch.export.export(model, args, kwargs, strict=False).module()
-    regions.inline_region_hops(unlifted)  # grad-mode / autocast bodies inline, between markers
+    with regions_export.exporting() as notes:  # inference_mode kept as no_grad; regions export drops are noted
+        unlifted = torch.export.export(model, args, kwargs, strict=False).module()
+    regions_export.inline_region_hops(unlifted)  # grad-mode / autocast bodies inline, between markers
+    setattr(unlifted.graph, regions_export.NOTES_ATTR, list(dict.fromkeys(notes)))
     # torch.export specialises every train/eval branch: the converted module warns when .train()/.eval() differ
     setattr(unlifted.graph, FROZEN_ATTR, {"": (model.training, "traced with torch.export")})
     if module_class is fx.GraphModule:

@@ -38,6 +38,7 @@ import torch.fx as fx
 
 from amp_fx import tables
 from amp_fx.pass_manager import PassContext, PassResult
+from amp_fx.regions_export import NOTES_ATTR
 from amp_fx.regions import LOW_DTYPE_KEY, Region, autocast_rule, marker_role, region_stacks, separate_grad_reads
 from amp_fx.train_flags import FROZEN_ATTR
 
@@ -206,6 +207,7 @@ def honour_autocast_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     lines = [f"{where}: forward branches on {path or 'the model'}.training; the graph keeps training={value} "
              "(.train()/.eval() warn)" for path, (value, where) in (getattr(gm, FROZEN_ATTR, None) or {}).items()
              if where != "traced with torch.export"]
+    lines += list(getattr(graph, NOTES_ATTR, None) or ())
     if regions or grad_regions:
         lines.append(f"kept the model's regions: {regions} autocast, {grad_regions} grad-mode ({painted} nodes inside)")
     if lines:

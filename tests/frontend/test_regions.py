@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from probes import GEMM_OPS, OpRecorder
-from routes import CONVERT_ROUTES, ROUTES, convert, eager_autocast
+from routes import ROUTES, convert, eager_autocast
 
 D = 8
 
