@@ -150,11 +150,17 @@ class AmpGraphModule(fx.GraphModule):
             if changed:
                 self._amp_fx_warned_frozen = True
                 path, value, where = changed[0]
-                what = "the whole graph" if where == "traced with torch.export" else f"a branch on self.training ({where})"
+                name = f"{path}.training" if path else "training"
+                if where == "traced with torch.export":
+                    what = (f"amp_fx: this module was traced with torch.export at {name}={value}; the graph keeps that "
+                            "mode (dropout, batch norm, every branch on self.training), so .train()/.eval() change "
+                            "nothing it computes.")
+                else:
+                    what = (f"amp_fx: this module was converted at {name}={value}, and its forward branches on "
+                            f"self.training ({where}): the graph keeps that branch. .train()/.eval() still switch "
+                            "Dropout/BatchNorm and runtime reads of the flag.")
                 warnings.warn(
-                    f"amp_fx: this module was converted with {path + '.' if path else ''}training={value}, and {what} "
-                    f"keeps that mode; .train()/.eval() switch Dropout/BatchNorm and runtime reads of the flag, "
-                    f"not that. Convert the model again in the mode you need, or use torch.compile(model, backend='amp_fx').",
+                    f"{what} Convert the model again in the mode you need, or use torch.compile(model, backend='amp_fx').",
                     FrozenTrainingWarning, stacklevel=2)
         return result
 

@@ -195,7 +195,7 @@ def _export_trace(model: nn.Module, args: tuple, kwargs: dict, module_class: typ
     regions_export.inline_region_hops(unlifted)  # grad-mode / autocast bodies inline, between markers
     setattr(unlifted.graph, regions_export.NOTES_ATTR, list(dict.fromkeys(notes)))
     # torch.export specialises every train/eval branch: the converted module warns when .train()/.eval() differ
-    setattr(unlifted.graph, FROZEN_ATTR, {"": (model.training, "traced with torch.export")})
+    setattr(unlifted.graph, FROZEN_ATTR, {path: (m.training, "traced with torch.export") for path, m in model.named_modules()})
     if module_class is fx.GraphModule:
         return unlifted
     return module_class(unlifted, unlifted.graph, type(model).__name__)

@@ -1,0 +1,143 @@
+"""Train/eval follows the converted module, and the original model's flags never change (issue 12, point 3)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import amp_fx
+from amp_fx.graph_module import FrozenTrainingWarning
+from routes import convert, eager_autocast
+
+D = 8
+
+
+class Block(nn.Module):
+    """A traced-through module whose functional dropout reads ``self.training``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        return F.dropout(self.fc(x), 0.5, training=self.training)
+
+
+class Net(nn.Module):
+    """Functional dropout (traced), then BatchNorm and Dropout leaves."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+        self.bn = nn.BatchNorm1d(D)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.head(self.drop(self.bn(self.block(x)))), self.block(x)
+
+
+def _flags(model):
+    return {name: m.training for name, m in model.named_modules()}
+
+
+def _dropped(out) -> bool:
+    return bool((out == 0).any())
+
+
+@pytest.mark.parametrize("order", ["eval_then_train", "train_then_eval"])
+@pytest.mark.parametrize("route", ["symbolic", "symbolic+examples", "backend"])
+def test_dropout_follows_the_converted_module(route, order):
+    """F.dropout(training=self.training) drops after .train() and is deterministic after .eval(), either order."""
+    model, x = Net(), torch.randn(16, D)
+    model.train(order == "train_then_eval")
+    conv = convert(model, route, x)
+    fn = conv.fn
+    modes = ["train", "eval"] if order == "eval_then_train" else ["eval", "train"]
+    if order == "train_then_eval":
+        modes = ["train", "eval", "train"]
+    for mode in modes:
+        getattr(fn, mode)()
+        (_, first), (_, second) = fn(x), fn(x)
+        if mode == "train":
+            assert _dropped(first) and not torch.equal(first, second)
+        else:
+            assert not _dropped(first) and torch.equal(first, second)
+            model.eval()
+            _, expected = eager_autocast(model, x)
+            torch.testing.assert_close(first.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("start", [True, False])
+def test_original_model_flags_never_change(level, start):
+    """.train()/.eval() on the converted module leave every flag of the model as it was; the leaves are its own."""
+    model = Net().train(start)
+    before = _flags(model)
+    gm = amp_fx.convert(model, level, dtype=torch.bfloat16)
+    for mode in (True, False, True, not start):
+        gm.train(mode)
+        assert _flags(model) == before
+        assert all(m.training == mode for m in gm.modules())
+    assert gm.bn is not model.bn and gm.drop is not model.drop
+    if level == "O1":  # O1 trains the model's own tensors: the clones hold the same ones
+        assert gm.bn.weight is model.bn.weight and gm.bn.running_mean is model.bn.running_mean
+        gm.train()
+        gm(torch.randn(16, D))
+        assert model.bn.num_batches_tracked.item() == 1
+    # and the other way round: changing the model does not change the converted module
+    model.train(not start)
+    assert gm.training == (not start) or all(m.training == gm.training for m in gm.modules())
+    gm.eval()
+    model.train()
+    assert not any(m.training for m in gm.modules())
+
+
+class Branches(nn.Module):
+    """Python control flow on ``self.training``: one graph can only keep one branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        if self.training:
+            x = x * 2
+        return self.fc(x)
+
+
+def test_a_branch_on_training_is_reported_and_warns_once():
+    model = Branches().eval()
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    assert "the graph keeps training=False" in str(gm.amp_report)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gm.eval()  # the mode it was specialised to: nothing to say
+    with pytest.warns(FrozenTrainingWarning, match="test_train_eval.py"):
+        gm.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gm.eval()
+        gm.train()  # once is enough
+
+
+def test_export_route_freezes_the_mode_and_warns():
+    """torch.export specialises every train/eval branch: the report says so and .train() warns."""
+    model, x = Net().eval(), torch.randn(16, D)
+    conv = convert(model, "export", x)
+    assert "train/eval mode at conversion is part of the graph" in str(conv.report())
+    with pytest.warns(FrozenTrainingWarning, match="torch.export"):
+        conv.fn.train()
+
+
+def test_no_warning_when_nothing_is_frozen():
+    gm = amp_fx.convert(Net().eval(), "O1", dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gm.train()
+        gm.eval()
+        gm.train()
