@@ -21,6 +21,9 @@ __all__ = ["amp_cast", "amp_promote", "call_with_params", "HELPERS"]
 def amp_cast(value: Any, dtype: torch.dtype) -> Any:
     """Cast ``value`` to ``dtype`` if it is a floating tensor of another dtype; return anything else as is.
 
+    Tuples and lists (an LSTM's ``(h0, c0)``, a ``PackedSequence``) have their
+    floating tensors cast the same way.
+
     float64 tensors are returned as they are: autocast does not cast them
     either (an op reading float64 is not eligible for a lower precision).
     """
@@ -29,6 +32,10 @@ def amp_cast(value: Any, dtype: torch.dtype) -> Any:
         return value.to(dtype) if eligible else value
     if isinstance(value, Proxy):
         return _record(amp_cast, (value, dtype), {})
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple (PackedSequence, ...)
+        return type(value)(*(amp_cast(item, dtype) for item in value))
+    if isinstance(value, (tuple, list)):  # an LSTM's (h0, c0) and other containers of tensors
+        return type(value)(amp_cast(item, dtype) for item in value)
     return value
 
 

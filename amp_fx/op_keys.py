@@ -58,6 +58,7 @@ _PY_ALIASES = {
     "multi_head_attention_forward": "multi_head_attention",
     "multi_dot": "linalg_multi_dot",
     "vecdot": "linalg_vecdot",
+    "linalg_cross": "cross",
     "vector_norm": "linalg_vector_norm",
     "matrix_norm": "linalg_matrix_norm",
     "grid_sample": "grid_sampler",
@@ -183,6 +184,8 @@ def module_op_name(module: nn.Module) -> str:
         if isinstance(module, module_type):
             return name(module) if callable(name) else name
     cls = type(module)
+    if cls.__name__ == "GuardsFn" and cls.__module__.startswith("torch.export"):
+        return "_guards_fn"  # the shape guards of an unlifted torch.export module
     if cls.__module__.startswith("torch.nn"):
         snake = _CAMEL.sub("_", cls.__name__).lower()
         return snake.replace("pool", "_pool").replace("__", "_")

@@ -42,6 +42,9 @@ class PassContext:
     placeholder_params: dict[str, str] = field(default_factory=dict)
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    # Fake-kernel results of the dtype analysis, keyed by node and input dtypes:
+    # analysing another paint re-runs only the nodes whose inputs changed.
+    analysis_cache: dict = field(default_factory=dict)
 
     @property
     def low(self) -> torch.dtype:

@@ -10,6 +10,7 @@ from amp_fx.config import AmpConfig
 from amp_fx.pass_manager import AmpPass, PassContext, run_passes
 from amp_fx.report import ConversionReport, build_report
 from amp_fx.trace_hooks import finish_trace
+from amp_fx.passes.analyse_dtypes import analyse_dtypes
 from amp_fx.passes.assign_precision import assign_precision
 from amp_fx.passes.cast_params import cast_params
 from amp_fx.passes.dedupe_casts import dedupe_casts
@@ -30,12 +31,14 @@ def build_pipeline(config: AmpConfig, *, own_params: bool) -> list[AmpPass]:
     under ``convert()``); a compiler backend never does.
     """
     if config.op_mode == "none":
-        return [propagate_meta]
+        return [propagate_meta, analyse_dtypes]
     # honour_autocast_regions repaints ops inside a Dynamo graph's own
     # torch.autocast regions; it changes nothing in graphs without them.
     pipeline: list[AmpPass] = [propagate_meta, assign_precision, honour_autocast_regions]
     if config.cast_params and own_params:
         pipeline.append(cast_params)
+    # One dtype analysis of the paint: every later pass, the report and the views read it.
+    pipeline.append(analyse_dtypes)
     if config.minimize_casts:
         pipeline.append(minimize_casts)
     pipeline += [insert_casts, dedupe_casts, fold_casts]

@@ -23,6 +23,7 @@ __all__ = [
     "BANNED",
     "NORM_OPS",
     "DATA_MOVEMENT",
+    "EXPORT_CHECKS",
     "LOW_PRECISION_DTYPES",
     "table_of",
     "all_tables",
@@ -144,6 +145,10 @@ DATA_MOVEMENT: frozenset[str] = frozenset({
         "getattr", "alias", "lift_fresh_copy", "unsafe_view", "_unsafe_view",
 })
 
+# Checks that torch.export records in a graph (no result, no arithmetic).
+EXPORT_CHECKS: frozenset[str] = frozenset({"_assert_tensor_metadata", "_assert_scalar", "_guards_fn",
+                                           "sym_constrain_range_for_size"})
+
 # --------------------------------------------------------------------------
 # FOLLOW: known to be safe in whatever dtype arrives.  Ops in no table follow
 # too, but are counted as unknown in the report (on_unknown_op= changes that).
@@ -171,6 +176,14 @@ FOLLOW: Mapping[str, str] = MappingProxyType({
         "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
         "max_pool2d_with_indices",
     ),
+    # Factories make what their dtype= (or the default dtype) says.
+    **_group(
+        "factory: makes the dtype it is asked for",
+        "arange", "zeros", "ones", "full", "empty", "randn", "rand", "randint", "randn_like", "rand_like",
+        "linspace", "scalar_tensor", "tensor",
+    ),
+    # Checks torch.export records: they compute nothing; insert_casts keeps them true to the rewrite.
+    **_group("torch.export check: computes nothing, kept true to the rewritten dtypes", *sorted(EXPORT_CHECKS)),
     # Regularisers and small reductions that autocast leaves alone.
     **_group(
         "left alone by autocast",

@@ -16,9 +16,10 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from amp_fx import tables
-from amp_fx.cast_nodes import cast_source, cast_target, is_inserted_cast
+from amp_fx.analysis import alias_root, mutated_roots
+from amp_fx.cast_nodes import CastBuilder, cast_source, cast_target, is_inserted_cast
+from amp_fx.meta import FLOAT_DTYPE
 from amp_fx.pass_manager import PassContext, PassResult
-from amp_fx.passes.insert_casts import FLOAT_KEY, CastBuilder, alias_root, mutated_roots
 
 __all__ = ["dedupe_casts"]
 
@@ -51,15 +52,10 @@ def _rooted_at_param(node: fx.Node) -> bool:
     return True
 
 
-def _existing_casts(graph: fx.Graph) -> dict[tuple[fx.Node, torch.dtype], fx.Node]:
-    return {(cast_source(n), cast_target(n)): n for n in graph.nodes if is_inserted_cast(n)}
-
-
 def dedupe_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Hoist casts of views of parameters above the view (see module docstring)."""
     graph = gm.graph
     builder = CastBuilder(graph)
-    builder.cache.update(_existing_casts(graph))
     hoisted = 0
     # A cast hoisted above a view would read its source before an in-place write.
     mutated = mutated_roots(graph)
@@ -82,7 +78,7 @@ def dedupe_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             with graph.inserting_before(cast):
                 new_view = graph.node_copy(view, lambda n: source_cast if n is source else n)
             new_view.meta = dict(view.meta)
-            new_view.meta[FLOAT_KEY] = target
+            new_view.meta[FLOAT_DTYPE] = target
             new_view.meta["amp_fx.reason"] = f"{view.meta.get('amp_fx.reason', '')}; reads the shared cast of {source.name}"
             cast.replace_all_uses_with(new_view)
             graph.erase_node(cast)

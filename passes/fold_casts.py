@@ -15,7 +15,8 @@ import torch.fx as fx
 
 from amp_fx.cast_nodes import cast_source, cast_target, is_inserted_cast, is_model_cast
 from amp_fx.pass_manager import PassContext, PassResult
-from amp_fx.passes.insert_casts import FLOAT_KEY, alias_root, float_dtype, mutated_roots
+from amp_fx.analysis import alias_root, mutated_roots
+from amp_fx.meta import FLOAT_DTYPE, float_dtype
 
 __all__ = ["fold_casts"]
 
@@ -72,7 +73,7 @@ def fold_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             merged += 1
             continue
         seen[key] = node
-        node.meta[FLOAT_KEY] = target
+        node.meta[FLOAT_DTYPE] = target
     for node in list(gm.graph.nodes):
         if is_inserted_cast(node) and not node.users:
             gm.graph.erase_node(node)

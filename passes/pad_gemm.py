@@ -40,7 +40,7 @@ from torch.fx import Proxy
 
 from amp_fx.cast_nodes import cast_source, cast_target, is_inserted_cast
 from amp_fx.pass_manager import PassContext, PassResult
-from amp_fx.passes.insert_casts import FLOAT_KEY, float_dtype
+from amp_fx.meta import FLOAT_DTYPE as FLOAT_KEY, VALUE, float_dtype
 
 __all__ = ["pad_gemm", "can_pad", "should_pad", "alignment_for", "padded_size", "find_gemm", "Gemm",
            "pad_cast", "unpad", "MIN_WORK", "MAX_GROWTH", "ASSUMED_ROWS"]
@@ -209,7 +209,7 @@ def should_pad(gemm: Gemm, mode: Any, on_cuda: bool, alignment: int) -> tuple[bo
 # --------------------------------------------------------------------------
 def _on_cuda(gm: fx.GraphModule, ctx: PassContext) -> bool:
     tensors = list(gm.parameters()) + list(gm.buffers()) + [t for t in ctx.example_inputs or () if isinstance(t, torch.Tensor)]
-    tensors += [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    tensors += [getattr(n.meta.get(VALUE), "fake", None) for n in gm.graph.nodes if n.op == "placeholder"]
     return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tensors)
 
 
@@ -288,7 +288,8 @@ def _rewrite(gemm: Gemm, padder: _Padder, alignment: int) -> tuple[int, int]:
     node.args = tuple(replace.get(a, a) if isinstance(a, fx.Node) else a for a in node.args)
     node.kwargs = {key: replace.get(v, v) if isinstance(v, fx.Node) else v for key, v in node.kwargs.items()}
     original = node.meta.get("amp_fx.shape")
-    value = node.meta.pop("val", None)
+    value = getattr(node.meta.get(VALUE), "fake", None)  # the dtype analysis's fake result: its strides
+    node.meta.pop("val", None)
     node.meta.pop("example_value", None)  # stale: the GEMM now makes the padded shape
     node.meta[_PADDED_KEY] = {"K": (gemm.K, k), "N": (gemm.N, n)}
     grown = ", ".join(f"{name} {old}->{new}" for name, old, new in (("K", gemm.K, k), ("N", gemm.N, n)) if old != new)

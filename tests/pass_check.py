@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from amp_fx.config import make_config
 from amp_fx.pass_manager import PassContext, run_passes
+from amp_fx.passes.analyse_dtypes import analyse_dtypes
 from amp_fx.passes.assign_precision import assign_precision
 from amp_fx.passes.cast_params import cast_params
 from amp_fx.passes.dedupe_casts import dedupe_casts
@@ -25,11 +26,17 @@ from amp_fx.passes.propagate_meta import propagate_meta
 from amp_fx.policy import Policy
 from amp_fx.tracing import trace_model
 
-PIPELINE = [propagate_meta, assign_precision, cast_params, insert_casts, dedupe_casts, fold_casts]
+PIPELINE = [propagate_meta, assign_precision, cast_params, analyse_dtypes, insert_casts, dedupe_casts, fold_casts]
 
 
 def prepare(model: torch.nn.Module, upto: Callable, level: str = "O1", example_inputs=None, policy=None, **options):
-    """Trace ``model`` and run the pipeline up to (not including) the pass ``upto``."""
+    """Trace ``model`` and run the pipeline up to (not including) the pass ``upto``.
+
+    O1's outputs are kept as the graph computes them unless a test asks
+    otherwise: these tests are about the casts inside the graph.
+    """
+    if level == "O1":
+        options.setdefault("cast_model_outputs", False)
     config = make_config(level, **options).with_dtype_for(model)
     source = copy.deepcopy(model) if config.cast_params else model
     gm, route = trace_model(source, example_inputs=example_inputs)

@@ -27,7 +27,8 @@ from amp_fx.passes.assign_precision import assign_precision
 from amp_fx.passes.dedupe_casts import dedupe_casts
 from amp_fx.passes.fold_casts import fold_casts
 from amp_fx.passes.insert_casts import insert_casts
-from amp_fx.passes.minimize_casts import _dtypes, _kinds, build_problem, minimize_casts
+from amp_fx.passes.analyse_dtypes import analyse_dtypes
+from amp_fx.passes.minimize_casts import build_problem, cost_view, minimize_casts
 from amp_fx.passes.propagate_meta import propagate_meta
 from random_cast_graphs import random_graph
 
@@ -48,7 +49,7 @@ class _Recorder(fx.Interpreter):
 
 
 def _context(gm: fx.GraphModule, example: tuple, **overrides) -> PassContext:
-    config = make_config("O1", dtype=torch.bfloat16, **overrides)
+    config = make_config("O1", dtype=torch.bfloat16, **{"cast_model_outputs": False, **overrides})
     return PassContext(config=config, example_inputs=example)
 
 
@@ -86,7 +87,8 @@ def check(gm: fx.GraphModule, example: tuple, *, moved: int | None = None, **ove
 
 
 def _measured(model: nn.Module, example: tuple, minimize: bool, **kwargs) -> amp_fx.AmpGraphModule:
-    return amp_fx.convert(model, "O1", dtype=torch.bfloat16, example_inputs=example, minimize_casts=minimize, **kwargs)
+    return amp_fx.convert(model, "O1", dtype=torch.bfloat16, example_inputs=example, minimize_casts=minimize,
+                          **{"cast_model_outputs": False, **kwargs})
 
 
 # --------------------------------------------------------------------------
@@ -177,7 +179,7 @@ def test_reasons_say_placed_by_min_cut():
 def test_without_example_inputs_sizes_are_estimated():
     """No example inputs: activation sizes fall back to estimates, the report says so, the placement is the same."""
     model, x = FanOut(), torch.randn(*X)
-    estimated = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    estimated = amp_fx.convert(model, "O1", dtype=torch.bfloat16, cast_model_outputs=False)
     stats = estimated.amp_report.passes["minimize_casts"]
     assert stats["sizes_estimated"] and stats["moved"] == 2 and stats["cast_bytes_min_cut"] < stats["cast_bytes_greedy"]
     assert stats["report_lines"][0].startswith("cast bytes per forward ~") and "(sizes estimated" in stats["report_lines"][0]
@@ -243,10 +245,9 @@ def test_integer_values_carry_no_cost_and_keep_their_paint():
     gm = fx.symbolic_trace(IntegerPath())
     stats, finished = check(gm, example, moved=1)
     ctx = _context(gm, example)
-    gm = run_passes(fx.symbolic_trace(IntegerPath()), ctx, [propagate_meta, assign_precision])
+    gm = run_passes(fx.symbolic_trace(IntegerPath()), ctx, [propagate_meta, assign_precision, analyse_dtypes])
     paint = {n: n.meta["amp_fx.decision"] for n in gm.graph.nodes}
-    kinds = _kinds(gm.graph)
-    problem, free = build_problem(gm, ctx, paint, kinds, _dtypes(gm.graph, paint, kinds, ctx.low))
+    problem, free = build_problem(gm, ctx, paint, cost_view(gm, ctx, dict(paint)))
     integer = [n for n in gm.graph.nodes if n.meta.get("amp_fx.is_float") is False]
     assert integer and not set(integer) & (set(problem.weight) | set(free))
     # x + embed is free but stays fp32 (it feeds layer_norm); ids + 1 and clamp are integer: not free.
@@ -302,8 +303,7 @@ def test_min_cut_equals_brute_force_on_the_model():
         ctx = _context(gm, example)
         gm = run_passes(gm, ctx, [propagate_meta, assign_precision])
         paint = {n: n.meta["amp_fx.decision"] for n in gm.graph.nodes}
-        kinds = _kinds(gm.graph)
-        problem, _ = build_problem(gm, ctx, paint, kinds, _dtypes(gm.graph, paint, kinds, ctx.low))
+        problem, _ = build_problem(gm, ctx, paint, cost_view(gm, ctx, dict(paint)))
         if not problem.free or len(problem.free) > 10:
             continue
         best = min(problem.cost(dict(zip(problem.free, sides))) for sides in itertools.product((0, 1), repeat=len(problem.free)))

@@ -1,0 +1,83 @@
+"""The metadata schema: every ``node.meta`` key that amp_fx's passes, report and views share.
+
+A pass reads and writes these names, never string literals, so the schema is
+visible in one place.  Who writes each key:
+
+==================  ===========================  ============================================
+key                 written by                   holds
+==================  ===========================  ============================================
+``OP``              propagate_meta               canonical op name (``"linear"``)
+``INPLACE``         propagate_meta               the op writes into its first input
+``MODULE_PATH``     propagate_meta               innermost enclosing module's qualified name
+``MODULE_STACK``    propagate_meta               [(qualified name, type)], innermost first
+``SOURCE``          propagate_meta               ``"file:line in fn: code"`` of the user line
+``PARAM``           propagate_meta               FQN when the node is a parameter or buffer
+``DECISION``        assign_precision (+ repaint) ``low | fp32 | promote | follow | cast | ...``
+``REASON``          assign_precision (+ repaint) one line a person reads in the report
+``RULE``            assign_precision (+ repaint) ``table | policy | level | min-cut | ...``
+``LOW_DTYPE``       region passes                this node's own low dtype (``autocast(dtype=)``)
+``VALUE``           the dtype analysis           :class:`amp_fx.analysis.ValueInfo`
+``IS_TENSOR``       the dtype analysis           True / False / None (unknown)
+``IS_FLOAT``        the dtype analysis           True / False / None (unknown)
+``FLOAT_DTYPE``     the dtype analysis           dtype the value has *if* it is floating
+``SHAPE``           the dtype analysis           tuple of sizes, when known
+``CONTAINER``       the dtype analysis           a tuple/list that holds floating tensors
+``ORIG_DTYPE``      the dtype analysis           a graph input's or weight's own dtype
+``UNKNOWN``         the dtype analysis           why the node could not be fake-run
+``INSERTED``        insert_casts, pad_gemm        the node was written by amp_fx
+``CAST_OF``         insert_casts                 (source name, source dtype, target dtype)
+``WEIGHT_CAST``     insert_casts                 the cast reads a parameter
+``PLACED_FROM``     minimize_casts               the paint before the min-cut moved the node
+``PADDED``          pad_gemm                     how a GEMM was padded
+==================  ===========================  ============================================
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+__all__ = [
+    "OP", "INPLACE", "MODULE_PATH", "MODULE_STACK", "SOURCE", "PARAM", "DECISION", "REASON", "RULE", "LOW_DTYPE",
+    "VALUE", "IS_TENSOR", "IS_FLOAT", "FLOAT_DTYPE", "SHAPE", "CONTAINER", "ORIG_DTYPE", "UNKNOWN",
+    "INSERTED", "CAST_OF", "WEIGHT_CAST", "PLACED_FROM", "PADDED",
+    "float_dtype", "example_value",
+]
+
+OP = "amp_fx.op"
+INPLACE = "amp_fx.inplace"
+MODULE_PATH = "amp_fx.module_path"
+MODULE_STACK = "amp_fx.module_stack"
+SOURCE = "amp_fx.source"
+PARAM = "amp_fx.param"
+DECISION = "amp_fx.decision"
+REASON = "amp_fx.reason"
+RULE = "amp_fx.rule"
+LOW_DTYPE = "amp_fx.low_dtype"
+VALUE = "amp_fx.value"
+IS_TENSOR = "amp_fx.is_tensor"
+IS_FLOAT = "amp_fx.is_float"
+FLOAT_DTYPE = "amp_fx.float_dtype"
+SHAPE = "amp_fx.shape"
+CONTAINER = "amp_fx.container"
+ORIG_DTYPE = "amp_fx.orig_dtype"
+UNKNOWN = "amp_fx.unknown"
+INSERTED = "amp_fx.inserted"
+CAST_OF = "amp_fx.cast_of"
+WEIGHT_CAST = "amp_fx.weight_cast"
+PLACED_FROM = "amp_fx.placed_from"
+PADDED = "amp_fx.padded"
+
+
+def float_dtype(node: Any) -> Optional[torch.dtype]:
+    """The dtype ``node``'s value has in the rewritten program if it is floating, or None when unknown."""
+    return node.meta.get(FLOAT_DTYPE) if isinstance(node, fx.Node) else None
+
+
+def example_value(node: fx.Node) -> Any:
+    """The example/fake value that torch.export or Dynamo recorded on ``node`` (original program)."""
+    if "val" in node.meta:
+        return node.meta["val"]
+    return node.meta.get("example_value")
