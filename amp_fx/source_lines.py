@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["current_user_line"]
+__all__ = ["current_user_line", "is_user_file"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _AMP_FX_DIR = os.path.dirname(__file__)
@@ -22,6 +22,11 @@ def _skipped(filename: str, skip_stdlib: bool) -> bool:
     # contextlib and functools frames sit between a model's line and amp_fx's hooks;
     # installed packages (transformers) live under the stdlib folder too and are user code.
     return skip_stdlib and filename.startswith(_STDLIB_DIR) and "-packages" not in filename
+
+
+def is_user_file(filename: str) -> bool:
+    """True for the model's own code: not torch, not amp_fx, not the standard library (installed packages count as user code)."""
+    return not _skipped(filename, True)
 
 
 def current_user_line(skip_stdlib: bool = True) -> Optional[str]:

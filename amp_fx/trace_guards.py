@@ -25,7 +25,7 @@ defined outside PyTorch, and ``with torch.device(...)``.
 from __future__ import annotations
 
 import contextlib
-import os
+import inspect
 import sys
 import threading
 from typing import Any, Iterator, Optional
@@ -35,14 +35,12 @@ import torch.fx as fx
 import torch.nn as nn
 
 from amp_fx.errors import UnsupportedConstructError
-from amp_fx.source_lines import current_user_line
+from amp_fx.source_lines import current_user_line, is_user_file
 
 __all__ = ["refuse_state_changes", "watch_context_managers", "NOTES_KEY", "HARMLESS_CONTEXT_MANAGERS"]
 
 NOTES_KEY = "amp_fx.trace_notes"
 _ACTIVE = threading.local()
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_AMP_FX_DIR = os.path.dirname(__file__)
 _ROUTES = (
     "Routes that keep it: torch.compile(model, backend='amp_fx') (Dynamo captures it and converts the graphs it "
     "makes), or leaf_modules=[the module whose forward does this] to keep that module whole (it then runs as "
@@ -57,9 +55,8 @@ HARMLESS_CONTEXT_MANAGERS = frozenset({
 
 
 def _from_user_code(depth: int = 2) -> bool:
-    """True when the caller ``depth`` frames up is the model's code, not torch's, amp_fx's or fx's."""
-    frame = sys._getframe(depth)
-    return not frame.f_code.co_filename.startswith((_TORCH_DIR, _AMP_FX_DIR))
+    """True when the caller ``depth`` frames up is the model's code (not torch's, amp_fx's or the standard library's)."""
+    return is_user_file(sys._getframe(depth).f_code.co_filename)
 
 
 def _module_path(tracer: fx.Tracer, module: nn.Module) -> Optional[str]:
@@ -72,9 +69,26 @@ def _module_path(tracer: fx.Tracer, module: nn.Module) -> Optional[str]:
     return names.get(id(module))
 
 
+def _model_files(tracer: Any) -> frozenset:
+    """Source files of the model's module classes (a note names only context managers entered there)."""
+    files = tracer.__dict__.get("_amp_fx_model_files")
+    if files is None:
+        root = getattr(tracer, "root", None)
+        found = set()
+        for module in root.modules() if root is not None else ():
+            try:
+                found.add(inspect.getsourcefile(type(module)))
+            except TypeError:
+                continue
+        files = tracer.__dict__["_amp_fx_model_files"] = frozenset(f for f in found if f)
+    return files
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, fx.Proxy):
         return "a traced tensor"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -154,7 +168,7 @@ def watch_context_managers(tracer: fx.Tracer) -> Iterator[None]:
                 why = _WHY.get(name) or ("torch.backends flags choose kernels and their numerics."
                                          if name.startswith("torch.backends.") else "It is a PyTorch context manager amp_fx does not know.")
                 _refuse_context(name, why)
-            elif not name.startswith("torch."):
+            elif not name.startswith("torch.") and sys._getframe(1).f_code.co_filename in _model_files(tracer):
                 where = current_user_line() or "unknown source line"
                 notes.append(f"context manager {name} entered in forward at {where}: it ran once, during tracing; "
                              "only the tensor ops inside its block are in the graph")
@@ -177,9 +191,12 @@ def watch_context_managers(tracer: fx.Tracer) -> Iterator[None]:
         cls.__enter__ = class_enter(cls)
     try:
         yield
-        output = next((n for n in reversed(tracer.graph.nodes) if n.op == "output"), None)
+        graph = getattr(tracer, "graph", None)
+        output = next((n for n in reversed(graph.nodes) if n.op == "output"), None) if graph is not None else None
         if notes and output is not None:
             output.meta.setdefault(NOTES_KEY, []).extend(notes)
+        elif hasattr(tracer, "amp_fx_notes"):  # the torch.export watch keeps its notes itself
+            tracer.amp_fx_notes.extend(notes)
     finally:
         generator_cm.__enter__ = original_enter
         for cls, enter in class_enters.items():

@@ -26,6 +26,7 @@ import torch.nn as nn
 from amp_fx import regions, regions_export
 from amp_fx.casts import HELPERS
 from amp_fx.errors import UnsupportedConstructError
+from amp_fx.export_guards import watched_export
 from amp_fx.train_flags import FROZEN_ATTR, TrainingReads
 
 __all__ = ["AmpTracer", "AmpTraceError", "trace_model", "DEFAULT_LEAF_TYPES", "module_stack_of", "user_frame"]
@@ -237,7 +238,10 @@ def trace_model(
     if example_inputs is not None or example_kwarg_inputs is not None:
         try:
             args, kwargs = tuple(example_inputs or ()), dict(example_kwarg_inputs or {})
-            return _export_trace(model, args, kwargs, module_class), "torch.export"
+            # refuse what torch.export would drop silently (amp_fx/export_guards.py)
+            return watched_export(model, lambda: _export_trace(model, args, kwargs, module_class)), "torch.export"
+        except UnsupportedConstructError:
+            raise
         except Exception as error:
             raise AmpTraceError(
                 f"amp_fx could not trace {type(model).__name__}.\n"

@@ -196,3 +196,70 @@ def test_models_own_context_manager_is_converted_and_noted():
     torch.testing.assert_close(gm(x).float(), expected.float())
     notes = [n for n in gm.amp_report.notes if "context manager" in n]
     assert len(notes) == 1 and "logging_scope" in notes[0] and "with logging_scope" in notes[0]
+
+
+# -- the torch.export route (taken when symbolic tracing fails and example inputs are given) ---------
+
+class ShapeBranch(nn.Module):
+    """``if x.shape[-1] == 8`` stops symbolic tracing; torch.export traces it."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        if x.shape[-1] == 8:
+            x = x * 1.0
+        return self.inner(x)
+
+
+class RoundST(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class WithFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return RoundST.apply(self.a(x))
+
+
+class WithCheckpoint(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("inner, construct, line", [
+    (Counter(), "module attribute assignment in forward", "self.calls += 1"),
+    (WithFunction(), "drops its backward", "RoundST.apply(self.a(x))"),
+    (WithCheckpoint(), "inlines checkpointed regions", "torch.utils.checkpoint.checkpoint(self.a, x"),
+    (ForkRng(), "torch.random.fork_rng", "with torch.random.fork_rng():"),
+])
+def test_export_route_refuses_what_it_would_drop(inner, construct, line):
+    model = ShapeBranch(inner)
+    with pytest.raises(UnsupportedConstructError) as info:
+        amp_fx.convert(model, "O1", example_inputs=(torch.randn(2, 8),))
+    assert construct in info.value.construct and line in str(info.value)
+    assert "backend='amp_fx'" in str(info.value)
+
+
+def test_export_route_converts_and_notes_the_models_own_context_manager():
+    model, x = ShapeBranch(OwnContext()), torch.randn(2, 8)
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,))
+    assert gm.amp_report.route == "torch.export"
+    assert any("logging_scope" in note for note in gm.amp_report.notes)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    torch.testing.assert_close(gm(x).float(), expected.float())
