@@ -225,6 +225,8 @@ class AmpBackend:
     def _convert_body(self, config: Any, device: str, compile_id: str, body: fx.GraphModule,
                       params: dict, name: str) -> tuple[fx.GraphModule, Any]:
         """Run the pipeline on one higher-order op's body (see :mod:`amp_fx.backend_bodies`)."""
+        # A body's outputs are not the model's: they keep their traced dtypes (sealed afterwards).
+        config = dataclasses.replace(config, cast_model_outputs=None)
         ctx = PassContext(config=config, policy=self.policy, route="dynamo", placeholder_params=params)
         ctx.extra["device_type"] = device
         body, report = rewrite_graph(body, ctx, own_params=False,
