@@ -26,9 +26,12 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "O0": dict(op_mode="none", cast_params=False, keep_batchnorm_fp32=True,
                master_weights=False, loss_scale=1.0, cast_model_outputs=None),
     # O1 leaves most ops FOLLOW, so where the casts go is a real choice:
-    # minimize_casts places them by min-cut.
+    # minimize_casts places them by min-cut. Floating outputs come back fp32, as
+    # at O2/O3: the loss is computed outside the module, and autocast would have
+    # run it (cross_entropy, mse_loss, ...) in fp32 from these same low logits.
     "O1": dict(op_mode="tables", cast_params=False, keep_batchnorm_fp32=True,
-               master_weights=False, loss_scale="dynamic", cast_model_outputs=None, minimize_casts=True),
+               master_weights=False, loss_scale="dynamic", cast_model_outputs=torch.float32,
+               minimize_casts=True),
     "O2": dict(op_mode="all_low", cast_params=True, keep_batchnorm_fp32=True,
                master_weights=True, loss_scale="dynamic", cast_model_outputs=torch.float32),
     "O3": dict(op_mode="all_low", cast_params=True, keep_batchnorm_fp32=False,
@@ -133,8 +136,12 @@ def make_config(level: str = "O1", **overrides: Any) -> AmpConfig:
     settings = dict(defaults, **_PRESETS[level], level=level)
     settings.update({k: v for k, v in overrides.items() if v is not None})
     settings["dtype"] = parse_dtype(settings.get("dtype"))
+    if settings.get("cast_model_outputs") is False:  # "keep the outputs as the graph computes them"
+        settings["cast_model_outputs"] = None
     if settings.get("cast_model_outputs") is not None and not isinstance(settings["cast_model_outputs"], torch.dtype):
-        raise ValueError(f"cast_model_outputs must be a torch.dtype or None, got {settings['cast_model_outputs']!r}")
+        raise ValueError(
+            f"cast_model_outputs must be a torch.dtype, False (keep the graph's dtypes) or None (the level's "
+            f"default), got {settings['cast_model_outputs']!r}")
     if settings["on_unknown_op"] not in _UNKNOWN_OP_MODES:
         raise ValueError(f"on_unknown_op must be one of {_UNKNOWN_OP_MODES}, got {settings['on_unknown_op']!r}")
     if settings["pad_gemm"] not in _PAD_MODES:

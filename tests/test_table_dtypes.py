@@ -268,33 +268,33 @@ def test_every_table_entry_has_a_case():
 
 @pytest.mark.parametrize("op, module, inputs", _flat(low_cases()))
 def test_low_ops_run_low(op, module, inputs):
-    gm = amp_fx.convert(module, "O1", dtype=LOW)
+    gm = amp_fx.convert(module, "O1", dtype=LOW, cast_model_outputs=False)
     assert op in {r.op for r in gm.amp_report.nodes if r.decision == "low"}
     assert _first_tensor(gm(*inputs)).dtype == LOW
 
 
 @pytest.mark.parametrize("op, module, inputs", _flat(fp32_cases()))
 def test_fp32_ops_run_fp32_even_on_low_input(op, module, inputs):
-    gm = amp_fx.convert(LowInput(module), "O1", dtype=LOW)
+    gm = amp_fx.convert(LowInput(module), "O1", dtype=LOW, cast_model_outputs=False)
     assert op in {r.op for r in gm.amp_report.nodes if r.decision == "fp32"}
     assert _first_tensor(gm(*inputs)).dtype == torch.float32
 
 
 @pytest.mark.parametrize("op, fn", [pytest.param(op, fn, id=f"{op}-{label}") for op, entries in promote_cases().items() for label, fn in entries])
 def test_promote_ops_run_in_the_widest_input_dtype(op, fn):
-    mixed = amp_fx.convert(Call(lambda m, a: fn(a, a.to(LOW))), "O1", dtype=LOW)
+    mixed = amp_fx.convert(Call(lambda m, a: fn(a, a.to(LOW))), "O1", dtype=LOW, cast_model_outputs=False)
     assert op in {r.op for r in mixed.amp_report.nodes if r.decision == "promote"}
     assert mixed(r(4, 8)).dtype == torch.float32
-    both_low = amp_fx.convert(Call(lambda m, a: fn(a.to(LOW), a.to(LOW))), "O1", dtype=LOW)
+    both_low = amp_fx.convert(Call(lambda m, a: fn(a.to(LOW), a.to(LOW))), "O1", dtype=LOW, cast_model_outputs=False)
     assert both_low(r(4, 8)).dtype == LOW
 
 
 @pytest.mark.parametrize("op, module, inputs", _flat(follow_cases()))
 def test_follow_ops_keep_their_input_dtype(op, module, inputs):
-    fp32 = amp_fx.convert(module, "O1", dtype=LOW)
+    fp32 = amp_fx.convert(module, "O1", dtype=LOW, cast_model_outputs=False)
     assert op in {r.op for r in fp32.amp_report.nodes if r.decision == "follow"}
     assert _first_tensor(fp32(*inputs)).dtype == torch.float32
-    low = amp_fx.convert(LowInput(module), "O1", dtype=LOW)
+    low = amp_fx.convert(LowInput(module), "O1", dtype=LOW, cast_model_outputs=False)
     assert _first_tensor(low(*inputs)).dtype == LOW
 
 
@@ -304,7 +304,7 @@ def test_binary_cross_entropy_is_banned_in_both_low_dtypes(dtype, as_module):
     model = Wrap(nn.BCELoss()) if as_module else Call(lambda m, p, y: F.binary_cross_entropy(p, y))
     model.arity = 2
     with pytest.raises(amp_fx.BannedOpError, match="binary_cross_entropy_with_logits"):
-        amp_fx.convert(model, "O1", dtype=dtype)
+        amp_fx.convert(model, "O1", dtype=dtype, cast_model_outputs=False)
 
 
 def test_allow_banned_runs_binary_cross_entropy_in_fp32():
@@ -317,7 +317,7 @@ def test_allow_banned_runs_binary_cross_entropy_in_fp32():
 
 
 def test_fp16_low_ops_run_in_fp16_on_small_shapes():
-    gm = amp_fx.convert(Wrap(nn.Linear(8, 4)), "O1", dtype=torch.float16)
+    gm = amp_fx.convert(Wrap(nn.Linear(8, 4)), "O1", dtype=torch.float16, cast_model_outputs=False)
     assert gm(r(2, 8)).dtype == torch.float16
-    gm = amp_fx.convert(Wrap(nn.Conv2d(3, 4, 3)), "O1", dtype=torch.float16)
+    gm = amp_fx.convert(Wrap(nn.Conv2d(3, 4, 3)), "O1", dtype=torch.float16, cast_model_outputs=False)
     assert gm(r(1, 3, 5, 5)).dtype == torch.float16

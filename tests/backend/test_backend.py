@@ -46,7 +46,8 @@ def test_string_backend_is_registered_and_takes_options():
     """The entry point registers "amp_fx"; torch.compile's options= reach amp_fx.backend()."""
     assert "amp_fx" in torch._dynamo.list_backends(exclude_tags=())
     model, example, _ = zoo.build("mlp")
-    compiled = torch.compile(model, backend="amp_fx", options={"level": "O1", "dtype": "bf16", "inner": "aot_eager"})
+    compiled = torch.compile(model, backend="amp_fx", options={"level": "O1", "dtype": "bf16", "inner": "aot_eager",
+                                                                 "cast_model_outputs": False})
     out = compiled(*example)
     assert out.dtype == torch.bfloat16  # the head Linear runs low, as under autocast
     report = amp_fx.last_report()
@@ -228,7 +229,7 @@ def test_outer_autocast_is_disabled_inside_compiled_graphs():
 def test_default_inner_inductor():
     """The default inner backend, inductor, compiles the rewritten graph (forward and backward)."""
     model, example, _ = zoo.build("mlp")
-    compiled = torch.compile(model, backend="amp_fx")
+    compiled = torch.compile(model, backend="amp_fx", options={"cast_model_outputs": False})
     out = compiled(*example)
     assert out.dtype == torch.bfloat16 and amp_fx.last_report().inner == "inductor"
     torch.testing.assert_close(out.float(), model(*example), atol=3e-2, rtol=3e-2)
@@ -255,7 +256,7 @@ def test_known_limit_mixed_dtype_call_rejected_before_the_backend():
     with pytest.raises(Exception, match="expected|dtype|type"):
         torch.compile(model, backend=amp_fx.backend(inner=capture), fullgraph=True)(x)
     assert capture.graphs == []
-    out = amp_fx.convert(model)(x)
+    out = amp_fx.convert(model, cast_model_outputs=False)(x)
     assert out.dtype == torch.bfloat16
 
 
@@ -263,9 +264,9 @@ def test_known_limit_rnn_frames_skipped_without_allow_rnn():
     """Without torch._dynamo.config.allow_rnn Dynamo never hands the LSTM model's frame to the backend."""
     capture = Capture()
     model, example, _ = zoo.build("lstm")
-    out = torch.compile(model, backend=amp_fx.backend(inner=capture))(*example)
+    out = torch.compile(model, backend=amp_fx.backend(inner=capture, cast_model_outputs=False))(*example)
     assert capture.graphs == [] and out.dtype == torch.float32  # ran eagerly in fp32
     with torch._dynamo.config.patch(allow_rnn=True):
         torch._dynamo.reset()
-        out = torch.compile(model, backend=amp_fx.backend(inner=capture))(*example)
+        out = torch.compile(model, backend=amp_fx.backend(inner=capture, cast_model_outputs=False))(*example)
     assert len(capture.graphs) == 1 and out.dtype == torch.bfloat16

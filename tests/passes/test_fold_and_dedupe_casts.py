@@ -22,7 +22,7 @@ class UserCastThenLow(nn.Module):
 
 def test_cast_of_a_widening_model_cast_reads_the_original_value():
     x = torch.randn(2, 4, dtype=torch.bfloat16)
-    gm = check(fold_casts, UserCastThenLow(), (x,), example_inputs=(x,), delta=-2)
+    gm = check(fold_casts, UserCastThenLow(), (x,), example_inputs=(x,), delta=-2, cast_model_outputs=False)
     # x is already bf16: the inserted cast of x.float() back to bf16 is gone,
     # and so is the model's x.float(), which nothing reads any more.
     assert [cast_source(n).op for n in gm.graph.nodes if is_inserted_cast(n)] == ["get_attr", "get_attr"]
