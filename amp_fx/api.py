@@ -121,6 +121,7 @@ def convert(
     allow_banned: bool = False,
     minimize_casts: Optional[bool] = None,
     pad_gemm: Union[None, str, bool] = None,
+    dynamic_shapes: Any = None,
 ) -> AmpGraphModule:
     """Return ``model`` rewritten for mixed precision at Apex level ``level`` (O0-O3).
 
@@ -143,6 +144,10 @@ def convert(
             ops in no table.
         allow_banned: run banned ops (``binary_cross_entropy``) in fp32
             instead of raising.
+        dynamic_shapes: for the torch.export route, torch.export's own
+            argument for the tensor inputs; None makes batch and sequence
+            dimensions dynamic, False keeps every shape static
+            (:mod:`amp_fx.export_route`).
 
     The result is an :class:`AmpGraphModule` with ``amp_report`` (every
     decision and why) and ``amp_config``.
@@ -163,7 +168,7 @@ def convert(
         source, leaf_modules=leaf_modules,
         example_inputs=tuple(example_inputs) if example_inputs is not None else None,
         example_kwarg_inputs=dict(example_kwarg_inputs) if example_kwarg_inputs else None,
-        module_class=AmpGraphModule,
+        module_class=AmpGraphModule, dynamic_shapes=dynamic_shapes,
     )
     _copy_missing_state(gm, source)
     ctx = PassContext(config=config, policy=policy,

@@ -190,16 +190,20 @@ def _symbolic_trace(model: nn.Module, tracer: AmpTracer, module_class: type) -> 
     return module_class(tracer.root, graph, type(model).__name__)
 
 
-def _export_trace(model: nn.Module, args: tuple, kwargs: dict, module_class: type) -> fx.GraphModule:
+def _export_trace(model: nn.Module, args: tuple, kwargs: dict, module_class: type, dynamic_shapes: Any = None) -> fx.GraphModule:
+    # constants bound, caches off, batch/sequence dynamic; Hugging Face interface kept (amp_fx/export_route.py, amp_fx/hf.py)
+    from amp_fx import export_route, hf
+
     with regions_export.exporting() as notes:  # inference_mode kept as no_grad; regions export drops are noted
-        unlifted = torch.export.export(model, args, kwargs, strict=False).module()
+        unlifted, constants, export_notes = export_route.export_module(model, args, kwargs, dynamic_shapes)
     regions_export.inline_region_hops(unlifted)  # grad-mode / autocast bodies inline, between markers
     setattr(unlifted.graph, regions_export.NOTES_ATTR, list(dict.fromkeys(notes)))
     # torch.export specialises every train/eval branch: the converted module warns when .train()/.eval() differ
     setattr(unlifted.graph, FROZEN_ATTR, {path: (m.training, "traced with torch.export") for path, m in model.named_modules()})
-    if module_class is fx.GraphModule:
-        return unlifted
-    return module_class(unlifted, unlifted.graph, type(model).__name__)
+    gm = unlifted if module_class is fx.GraphModule else module_class(unlifted, unlifted.graph, type(model).__name__)
+    gm.amp_fx_trace_notes = export_notes  # constants bound, dynamic dimensions: for the report
+    hf.attach_interface(gm, model, constants)
+    return gm
 
 
 def _describe_failure(error: BaseException, tracer: AmpTracer) -> str:
@@ -218,13 +222,15 @@ def trace_model(
     example_inputs: Optional[tuple] = None,
     example_kwarg_inputs: Optional[dict] = None,
     module_class: type = fx.GraphModule,
+    dynamic_shapes: Any = None,
 ) -> tuple[fx.GraphModule, str]:
     """Trace ``model``; return the GraphModule and the route taken ("symbolic_trace" or "torch.export").
 
     Symbolic tracing is tried first.  When it fails and example inputs were
     given, ``torch.export`` (non-strict) traces the model at the ATen level.
     When neither works, :class:`AmpTraceError` says what failed, where, and
-    the ways out.  ``module_class`` is the GraphModule subclass to build.
+    the ways out.  ``module_class`` is the GraphModule subclass to build;
+    ``dynamic_shapes`` is torch.export's (see :mod:`amp_fx.export_route`).
     """
     tracer = AmpTracer(leaf_modules)
     try:
@@ -239,7 +245,7 @@ def trace_model(
         try:
             args, kwargs = tuple(example_inputs or ()), dict(example_kwarg_inputs or {})
             # refuse what torch.export would drop silently (amp_fx/export_guards.py)
-            return watched_export(model, lambda: _export_trace(model, args, kwargs, module_class)), "torch.export"
+            return watched_export(model, lambda: _export_trace(model, args, kwargs, module_class, dynamic_shapes)), "torch.export"
         except UnsupportedConstructError:
             raise
         except Exception as error:
@@ -251,9 +257,12 @@ def trace_model(
                 "or compile the model with torch.compile(model, backend='amp_fx'), which handles "
                 "data-dependent Python through graph breaks."
             ) from error
+    from amp_fx import hf
+
+    failure = failure.replace("'<root module>'", f"{type(model).__name__} (the model itself)")
     raise AmpTraceError(
         f"amp_fx could not trace {type(model).__name__} with torch.fx.symbolic_trace.\n"
-        f"{failure}\n"
+        f"{failure}\n{hf.untraceable_hint(model)}"
         "Ways out: (1) leaf_modules=[TheModuleType or 'its.name'] keeps the failing module whole; "
         "(2) example_inputs=(x, ...) lets amp_fx trace with torch.export instead; "
         "(3) torch.compile(model, backend='amp_fx') converts whatever Dynamo captures."

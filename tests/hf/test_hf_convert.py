@@ -1,0 +1,119 @@
+"""Hugging Face models through amp_fx.convert (the torch.export route): train, agree with fp32, new shapes (issue 12, point 6)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.export import Dim
+
+import amp_fx
+from hf_models import BUILDERS, batch, gpt2
+
+
+def _train(model, data, steps, level=None):
+    """``steps`` AdamW steps on ``data`` (one batch per step); amp_fx.initialize at ``level`` unless None (fp32)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if level is not None:
+        model, optimizer = amp_fx.initialize(model, optimizer, opt_level=level, dtype=torch.bfloat16,
+                                             example_kwarg_inputs=data[0])
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(**data[step]).loss
+        if level is None:
+            loss.backward()
+        else:
+            with amp_fx.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_trains_five_steps_like_fp32_and_takes_a_new_sequence_length(kind, level):
+    """5 steps with labels= (the HF loss in the graph) track fp32; then a batch of another size and length runs unconverted."""
+    torch.manual_seed(0)
+    model = BUILDERS[kind]()
+    reference = copy.deepcopy(model)
+    data = [batch(kind, seed=step) for step in range(5)]
+    converted, losses = _train(model, data, 5, level)
+    _, expected = _train(reference, data, 5)
+    assert isinstance(converted, amp_fx.AmpGraphModule) and converted.amp_report.route == "torch.export"
+    weights = {p.dtype for p in converted.parameters()}
+    assert weights == ({torch.float32} if level == "O1" else {torch.float32, torch.bfloat16})  # O2: norms stay fp32
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), atol=3e-2, rtol=2e-2)
+    assert losses[-1] < losses[0]
+    other = batch(kind, size=3, length=11, seed=9)  # batch 3, length 11: no reconversion, no guard failure
+    with torch.no_grad():
+        out, want = converted(**other), reference(**other)
+    assert out.logits.shape == want.logits.shape
+    torch.testing.assert_close(out.loss.float(), want.loss, atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(out.logits.float(), want.logits, atol=8e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_o1_forward_and_gradients_agree_with_fp32(kind):
+    """O1 on the export route: loss, logits and every parameter's gradient agree with fp32 within bf16 tolerance."""
+    torch.manual_seed(0)
+    model = BUILDERS[kind]()
+    reference = copy.deepcopy(model)
+    data = batch(kind)
+    converted = amp_fx.convert(model, "O1", dtype=torch.bfloat16, example_kwarg_inputs=data)
+    assert converted.amp_report.count("low") >= 8  # the GEMMs of two layers ran low
+    out, want = converted(**data), reference(**data)
+    torch.testing.assert_close(out.loss, want.loss, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(out.logits.float(), want.logits, atol=5e-2, rtol=5e-2)
+    out.loss.backward()
+    want.loss.backward()
+    ours, theirs = dict(model.named_parameters()), dict(reference.named_parameters())
+    for name, p in ours.items():
+        scale = theirs[name].grad.abs().max().item() + 1e-6
+        assert (p.grad - theirs[name].grad).abs().max().item() <= 0.05 * scale + 1e-4, name
+
+
+def test_non_tensor_kwargs_are_constants_not_inputs():
+    """use_cache / return_dict given as examples are bound into the trace; the converted module is called without them."""
+    model = gpt2()
+    data = batch("gpt2")
+    converted = amp_fx.convert(model, example_kwarg_inputs={**data, "use_cache": False, "return_dict": True})
+    out = converted(**data)
+    assert out.loss.dim() == 0 and out.logits.shape == (2, 16, 128)
+    assert model.config.use_cache is True  # the model's own config is untouched
+
+
+def test_cache_is_off_for_the_trace_without_the_user_asking():
+    """A config with use_cache=True converts without an example use_cache: the trace is cacheless, the model unchanged."""
+    model = gpt2()
+    assert model.config.use_cache
+    converted = amp_fx.convert(model, example_kwarg_inputs=batch("gpt2"))
+    out = converted(**batch("gpt2", seed=1))
+    assert getattr(out, "past_key_values", None) is None
+    assert model.config.use_cache is True and converted.config.use_cache is True
+
+
+def test_dynamic_shapes_keyword():
+    """dynamic_shapes=False keeps the example's shapes; torch.export's own spec is accepted for the tensor inputs."""
+    model = gpt2()
+    data = batch("gpt2")
+    static = amp_fx.convert(model, example_kwarg_inputs=data, dynamic_shapes=False)
+    static(**batch("gpt2", seed=1))
+    with pytest.raises(Exception, match="16|size|shape|[Gg]uard"):
+        static(**batch("gpt2", length=12))
+    seq = Dim("seq", min=2, max=64)
+    spec = {"input_ids": {1: seq}, "labels": {1: seq}}
+    dynamic = amp_fx.convert(model, example_kwarg_inputs=data, dynamic_shapes=spec)
+    assert dynamic(**batch("gpt2", length=12)).logits.shape == (2, 12, 128)
+
+
+def test_untraceable_without_examples_names_the_model_and_the_route():
+    """fx cannot trace a transformers model: the error names GPT2LMHeadModel and the example-input route."""
+    with pytest.raises(amp_fx.AmpTraceError) as caught:
+        amp_fx.convert(gpt2())
+    message = str(caught.value)
+    assert "GPT2LMHeadModel" in message and "<root module>" not in message
+    assert "example_kwarg_inputs={'input_ids'" in message and "backend='amp_fx'" in message
