@@ -181,7 +181,8 @@ def convert(
     gm, report = rewrite_graph(gm, ctx, own_params=owns_params, notes=notes)
 
     result = gm
-    result.train(model.training)
+    if route != "symbolic_trace":  # a traced module already has each module's own flag (AmpGraphModule)
+        result.train(model.training)
     result.amp_report = report
     result.amp_config = config
     result.amp_fx_source_dtypes = dict(ctx.extra.get("source_dtypes", {}))

@@ -77,6 +77,7 @@ class TrainingReads:
                 continue
             node = tracer.create_node("get_attr", f"{path}.training" if path else "training", (), {})
             node.meta["amp_fx.training_flag"] = path
+            node.meta.pop("stack_trace", None)  # made before forward runs: no user line to point at
             self.nodes.append(node)
             self.saved.append((module, flag))
             module.__dict__["training"] = _TrainingProxy(node, tracer, path, flag, self.frozen)

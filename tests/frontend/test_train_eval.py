@@ -97,6 +97,19 @@ def test_original_model_flags_never_change(level, start):
     assert not any(m.training for m in gm.modules())
 
 
+def test_each_module_keeps_its_own_flag():
+    """A model in train mode with a frozen (eval) BatchNorm converts to the same mix; the model is untouched."""
+    model = Net().train()
+    model.bn.eval()
+    before = _flags(model)
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    assert gm.training and gm.block.training and not gm.bn.training and gm.drop.training
+    x = torch.randn(16, D)
+    gm(x)
+    assert model.bn.num_batches_tracked.item() == 0  # eval BatchNorm: no statistics update
+    assert _flags(model) == before
+
+
 class Branches(nn.Module):
     """Python control flow on ``self.training``: one graph can only keep one branch."""
 
