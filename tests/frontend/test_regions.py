@@ -201,3 +201,44 @@ def test_o0_pickle_keeps_the_autocast_markers():
     model, x = Half(), torch.randn(4, D)
     gm = pickle.loads(pickle.dumps(convert(model, "symbolic", x, level="O0").fn))
     assert gm(x).dtype == torch.float16 and torch.equal(gm(x), model(x))
+
+
+class Mixed(nn.Module):
+    """A weight read under no_grad and outside it, a disabled region and a float16 region."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        with torch.no_grad():
+            t = self.a(x)
+        h = self.a(x)
+        with torch.autocast("cpu", enabled=False):
+            y = self.b(h.float() + t.float())
+        with torch.autocast("cpu", dtype=torch.float16):
+            return self.b(y)
+
+
+def test_the_region_pass_is_idempotent_and_reports_honestly():
+    """A second run of honour_autocast_regions changes nothing; the first one says what it did."""
+    from amp_fx.config import make_config
+    from amp_fx.pass_manager import PassContext
+    from amp_fx.passes.assign_precision import assign_precision
+    from amp_fx.passes.honour_autocast_regions import honour_autocast_regions
+    from amp_fx.passes.propagate_meta import propagate_meta
+    from amp_fx.policy import Policy
+    from amp_fx.tracing import trace_model
+
+    gm, _ = trace_model(Mixed())
+    ctx = PassContext(config=make_config("O1", dtype=torch.bfloat16), policy=Policy.coerce(None), route="symbolic_trace")
+    propagate_meta(gm, ctx)
+    assign_precision(gm, ctx)
+    first = honour_autocast_regions(gm, ctx)
+    gm.graph.lint()
+    assert first.modified
+    assert first.stats["regions"] == 2 and first.stats["grad_regions"] == 1 and first.stats["separate_grad_reads"] == 2
+    before = [(n.name, n.meta.get("amp_fx.decision"), n.meta.get("amp_fx.reason")) for n in gm.graph.nodes]
+    second = honour_autocast_regions(gm, ctx)
+    assert not second.modified
+    assert [(n.name, n.meta.get("amp_fx.decision"), n.meta.get("amp_fx.reason")) for n in gm.graph.nodes] == before
