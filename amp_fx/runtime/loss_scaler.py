@@ -31,10 +31,11 @@ from typing import Any, Callable
 
 import torch
 
-from amp_fx.config import parse_dtype
-
 from .collapse import ON_COLLAPSE, LossScaleCollapseError, collapse_error
 from .overflow import check_and_unscale_, combined_found_inf, grads_of
+from .scaler_options import NO_GRADS_FIX, NO_SCALING_DTYPES, PROMOTED_TO_FP32
+from .scaler_options import Default as _Default
+from .scaler_options import parse_scaler_dtype
 from .scaler_state import LossScalerStateError, ScalerStateMixin, _fp32
 
 __all__ = ["LossScaler", "LossScaleCollapseError", "LossScalerStateError"]
@@ -42,48 +43,10 @@ __all__ = ["LossScaler", "LossScaleCollapseError", "LossScalerStateError"]
 logger = logging.getLogger("amp_fx.runtime")
 
 
-class _Default:
-    """Marks a keyword the caller did not pass (so bf16 can tell "asked" from "default")."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-
 class _Stage(Enum):
     READY = 0
     UNSCALED = 1
     STEPPED = 2
-
-
-# dtypes that have fp32's exponent range, so loss scaling buys nothing.
-_NO_SCALING_DTYPES = (torch.bfloat16, torch.float32)
-# 0-dim losses of these dtypes come out of scale() in fp32, as from GradScaler.
-_PROMOTED_TO_FP32 = (torch.float16, torch.bfloat16)
-_NO_GRADS_FIX = (
-    "A common cause: the optimizer was built over the original model's parameters, but "
-    "amp_fx.convert(model, 'O2'/'O3') trains low-precision copies of them. At O2 wrap it: "
-    "amp_fx.MasterWeightOptimizer(optimizer, converted) (the original parameters are the fp32 masters); "
-    "at O3 build it over converted.parameters()."
-)
-_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
-
-
-def _parse_dtype(dtype: Any) -> torch.dtype | None:
-    """Accept what :func:`amp_fx.convert` accepts (``"fp16"``, ``"half"``, ``"bf16"``, ...) and fp32."""
-    if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
-        return _DTYPE_NAMES[dtype.lower()]
-    if dtype is None or dtype == torch.float32:
-        return dtype
-    try:
-        return parse_dtype(dtype)
-    except ValueError:
-        raise ValueError(
-            f"dtype must be torch.float16, torch.bfloat16, torch.float32 or None (or one of the strings "
-            f"'fp16', 'half', 'float16', 'bf16', 'bfloat16', 'fp32', 'float32'), got {dtype!r}"
-        ) from None
 
 
 class LossScaler(ScalerStateMixin):
@@ -142,14 +105,14 @@ class LossScaler(ScalerStateMixin):
         on_collapse: str = "raise",
         reproduce: Callable[[], Any] | None = None,
     ) -> None:
-        dtype = _parse_dtype(dtype)
+        dtype = parse_scaler_dtype(dtype)
         asked = not isinstance(init_scale, _Default) or (
             not isinstance(dynamic, _Default) and bool(dynamic)
         )
         init_scale = init_scale.value if isinstance(init_scale, _Default) else init_scale
         dynamic = dynamic.value if isinstance(dynamic, _Default) else dynamic
 
-        self._scaling = bool(enabled) and (dtype not in _NO_SCALING_DTYPES or asked)
+        self._scaling = bool(enabled) and (dtype not in NO_SCALING_DTYPES or asked)
         # Whether gradients are checked at all: always while scaling (GradScaler),
         # otherwise only to skip non-finite steps.
         self._checks = self._scaling or skip_nonfinite
@@ -222,7 +185,7 @@ class LossScaler(ScalerStateMixin):
             # 0-dim fp16/bf16 loss fp32 (6.3 * 65536 would overflow fp16); a loss with
             # dimensions keeps its dtype. A host float would not promote, so promote
             # first; the scale is fp32-exact and needs no host-to-device copy.
-            if val.dim() == 0 and val.dtype in _PROMOTED_TO_FP32:
+            if val.dim() == 0 and val.dtype in PROMOTED_TO_FP32:
                 val = val.float()
             return val * self._loss_scale
         if isinstance(val, abc.Mapping):
@@ -335,7 +298,7 @@ class LossScaler(ScalerStateMixin):
                     "has a gradient this iteration. Make sure the loss passed to "
                     "scaler.scale(loss).backward() depends on this optimizer's parameters "
                     "(with requires_grad=True), or do not call scaler.step() for an "
-                    "optimizer whose parameters got no gradients. " + _NO_GRADS_FIX
+                    "optimizer whose parameters got no gradients. " + NO_GRADS_FIX
                 )
             if not self._warned_no_grads:
                 # GradScaler would raise here; without scaling we only warn (a frozen
@@ -343,7 +306,7 @@ class LossScaler(ScalerStateMixin):
                 self._warned_no_grads = True
                 warnings.warn(
                     "scaler.step(optimizer): none of the optimizer's parameters has a gradient, so "
-                    "nothing is updated. " + _NO_GRADS_FIX, UserWarning, stacklevel=3,
+                    "nothing is updated. " + NO_GRADS_FIX, UserWarning, stacklevel=3,
                 )
             found = False
         else:

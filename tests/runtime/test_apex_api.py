@@ -136,7 +136,8 @@ def test_example_inputs_reach_convert_for_models_fx_cannot_trace():
                                                 example_inputs=[None, (torch.randn(3, 8),)])
     assert g_branchy.amp_report.route == "torch.export"
     x = torch.randn(3, 8)
-    assert g_branchy(x).dtype == torch.bfloat16
+    assert g_branchy(x).dtype == torch.float32  # O1 returns fp32 outputs; the linear inside runs low:
+    assert "low" in {r.decision for r in g_branchy.amp_report.nodes}
     torch.testing.assert_close(g_branchy(x).float(), branchy(x), atol=3e-2, rtol=3e-2)
 
 

@@ -12,15 +12,13 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
-from amp_fx.runtime import LossScaleCollapseError, LossScaler, MasterWeightOptimizer
+from amp_fx.runtime import LossScaler, MasterWeightOptimizer
 from semantics_harness import (LEVEL_DTYPES, LEVEL_IDS, ZEROING, amp_iteration, assert_close_steps,
                                assert_close_weights, clone, fp32_iteration, make_batches, make_model,
                                record_grads, setup, sgd, weights, zero)
