@@ -10,7 +10,9 @@ before ``insert_casts`` (nothing is cast yet):
    (:func:`amp_fx.regions.region_stacks`); for autocast, only regions of the
    graph's device type count, and the innermost one is in force.
 2. ``autocast(enabled=False)``: every computing node is pinned to fp32
-   (decision "fp32", rule "autocast"), as the model wrote it for fp32 weights.
+   (decision "fp32", rule "autocast"), as the model wrote it for fp32 weights,
+   except where the model casts low itself inside the region (``x.half()``):
+   what reads such a value runs as written ("follow").
 3. An enabled region lets the level decide, as autocast's own lists would;
    a low op in a region whose dtype differs from the conversion's runs in the
    region's dtype (``amp_fx.low_dtype``, read by the dtype analysis).
@@ -80,8 +82,24 @@ def _returns_nothing(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and not target._schema.returns
 
 
-def _repaint(node: fx.Node, regions: tuple[Region, ...], low: torch.dtype) -> Optional[str]:
-    """Apply the innermost regions' rules to ``node``; return "fp32" when it was pinned."""
+def _model_cast_dtype(node: fx.Node) -> Optional[torch.dtype]:
+    """The floating dtype a cast the model wrote produces (``x.half()``, ``x.to(torch.bfloat16)``), if any."""
+    if node.meta.get("amp_fx.decision") != "cast" or node.meta.get("amp_fx.inserted"):
+        return None
+    named = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+    if node.meta.get("amp_fx.op") in named:
+        return named[node.meta["amp_fx.op"]]
+    dtypes = [a for a in list(node.args[1:]) + list(node.kwargs.values()) if isinstance(a, torch.dtype)]
+    return dtypes[0] if len(dtypes) == 1 and dtypes[0].is_floating_point else None
+
+
+def _repaint(node: fx.Node, regions: tuple[Region, ...], low: torch.dtype, written_low: set) -> Optional[str]:
+    """Apply the innermost regions' rules to ``node``; return "fp32" when it was pinned.
+
+    ``written_low`` holds the values that the model itself made low inside a
+    disabled region (``x.half()``): ops reading them run as written, in
+    that dtype, rather than being pinned back to fp32.
+    """
     meta = node.meta
     decision = meta.get("amp_fx.decision", "follow")
     autocast = [r for r in regions if r.kind == "autocast"]
@@ -89,6 +107,16 @@ def _repaint(node: fx.Node, regions: tuple[Region, ...], low: torch.dtype) -> Op
     reasons = []
     pinned = None
     computing = not (meta.get("amp_fx.is_tensor") is False and meta.get("amp_fx.is_float") is False) and not _returns_nothing(node)
+    if autocast and not autocast[-1].enabled:
+        if _model_cast_dtype(node) in (torch.float16, torch.bfloat16):
+            written_low.add(node)
+        elif decision != "cast" and computing and any(n in written_low for n in node.all_input_nodes):
+            written_low.add(node)
+            meta["amp_fx.decision"] = "follow"
+            meta["amp_fx.reason"] = (f"inside the model's {autocast[-1].describe()} region: runs as written "
+                                     "(the model cast its inputs low itself)")
+            autocast = []
+            reasons.append("")
     if autocast:
         new_decision, low_dtype, reason = autocast_rule(autocast[-1], decision, low)
         if decision != "cast" and computing:
@@ -172,6 +200,7 @@ def honour_autocast_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     autocast_markers = [n for n in graph.nodes if marker_role(n) is not None and marker_role(n)[1] == "autocast"]
     foreign = [n for n in autocast_markers if marker_role(n)[0] == "enter" and n.args and n.args[0] != device]
     pinned = painted = 0
+    written_low: set = set()
     for node in graph.nodes:
         role = marker_role(node)
         if role is not None and node.meta.get("amp_fx.decision") != "none":
@@ -189,7 +218,7 @@ def honour_autocast_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             continue  # painted by an earlier run
         node.meta[_REGION_KEY] = key
         painted += 1
-        if _repaint(node, relevant, ctx.low) == "fp32":
+        if _repaint(node, relevant, ctx.low, written_low) == "fp32":
             pinned += 1
     # Exits first: each reads its enter node.
     erased = [n for n in autocast_markers if n not in foreign and not (marker_role(n)[0] == "exit" and n.args and n.args[0] in foreign)]

@@ -242,3 +242,24 @@ def test_the_region_pass_is_idempotent_and_reports_honestly():
     second = honour_autocast_regions(gm, ctx)
     assert not second.modified
     assert [(n.name, n.meta.get("amp_fx.decision"), n.meta.get("amp_fx.reason")) for n in gm.graph.nodes] == before
+
+
+class HalfByHand(nn.Module):
+    """Inside a disabled region the model casts to fp16 itself: that GEMM runs fp16, as written."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.w = nn.Parameter(torch.randn(D, D) / D)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.autocast("cpu", enabled=False):
+            return (h.half() @ self.w.half()).relu()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_cast_the_model_writes_inside_a_disabled_region_is_kept(route):
+    conv = _check_against_autocast(HalfByHand(), route, torch.randn(4, D), [{torch.bfloat16}, {torch.float16}])
+    (matmul,) = conv.records("matmul")
+    assert matmul.decision == "follow" and "runs as written" in matmul.reason
