@@ -23,20 +23,20 @@ The algorithm, one walk over the graph in order:
    unknown, with the reason; the walk goes on, and its readers fall back to
    step 4 (their casts are then guarded at run time by ``amp_cast``).
 4. Dtype-only mode (no example inputs, or an unknown input): the result rule
-   of the op, derived from the tables (:func:`_rule_value`).  Graph inputs'
+   of the op, derived from the tables (:func:`amp_fx.dtype_rules.rule_value`).  Graph inputs'
    dtypes are unknown: nothing is assumed about them.
 
 Every node gets a :class:`ValueInfo` under ``meta.VALUE`` and the flat keys
 of :mod:`amp_fx.meta` (``IS_TENSOR``, ``IS_FLOAT``, ``FLOAT_DTYPE``,
-``SHAPE``, ``CONTAINER``).  :func:`planned_casts` turns an analysis into the
-casts ``insert_casts`` will write and the bytes they move, so the min-cut can
-compare paints without rewriting a copy of the graph.
+``SHAPE``, ``CONTAINER``).  The result rules of dtype-only mode live in
+:mod:`amp_fx.dtype_rules`; :mod:`amp_fx.cast_costs` turns an analysis into the
+casts ``insert_casts`` will write and the bytes they move.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional
 
@@ -46,102 +46,23 @@ from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
 from amp_fx import meta, tables
-from amp_fx.casts import amp_cast, amp_promote
+from amp_fx.casts import amp_cast
+from amp_fx.dtype_rules import explicit_dtype, rule_value, widest
+from amp_fx.meta import ValueInfo, may_be_float_tensor
 from amp_fx.op_keys import CAST_OPS
 
 __all__ = [
-    "ValueInfo", "Analysis", "analyse", "input_target", "arrives_as", "explicit_dtype", "promoting_inputs", "may_be_float_tensor",
-    "alias_root", "mutated_roots", "mutated_values", "numel_estimates", "planned_casts", "cast_bytes",
-    "eval_mode", "placeholder_examples", "ELEMENT_SIZE", "FALLBACK_NUMEL", "ALIASING_OPS", "CHECK_OPS",
+    "ValueInfo", "Analysis", "analyse", "input_target", "arrives_as", "explicit_dtype", "promoting_inputs",
+    "may_be_float_tensor", "node_inputs", "alias_root", "mutated_roots", "mutated_values", "eval_mode",
+    "placeholder_examples", "ALIASING_OPS", "CHECK_OPS",
 ]
 
-ELEMENT_SIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float64: 8}
-FALLBACK_NUMEL = 4096  # elements of a graph input whose shape is unknown (cost estimates only)
 
 # Ops whose result may share memory with their first input: views, and casts
 # (a cast to the dtype a tensor already has returns the tensor itself).
 ALIASING_OPS = tables.DATA_MOVEMENT | CAST_OPS
 # Checks that torch.export records: no result, no arithmetic; kept true to the rewrite by insert_casts.
 CHECK_OPS = tables.EXPORT_CHECKS
-
-# -- result rules for dtype-only mode, all derived from the tables ----------
-# Ops whose tensor result is floating whatever arrives (GEMMs, exp, softmax, losses).
-_FLOAT_RESULT = (frozenset(tables.LOW) | frozenset(tables.FP32)) - {"sum", "prod", "cumsum", "cumprod", "pow"}
-# Ops whose result is never floating, or is not a tensor at all.
-_NON_FLOAT_RESULT = frozenset({
-    "eq", "ne", "lt", "le", "gt", "ge", "isfinite", "isnan", "isinf", "logical_and", "logical_or", "logical_not",
-    "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "argmax", "argmin", "any", "all", "one_hot", "equal",
-    "nonzero", "searchsorted", "bucketize",
-})
-_NON_TENSOR_RESULT = frozenset({"size", "dim", "numel", "ndimension", "nelement", "stride", "is_floating_point",
-                                "item", "tolist", "getattr", "equal", "is_contiguous", "data_ptr"})
-_NON_TENSOR_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "is_sparse", "layout"})
-# Ops that return several tensors (their items are read with getitem).
-_TUPLE_RESULT = frozenset({"split", "chunk", "unbind", "split_with_sizes", "topk", "sort", "var_mean", "std_mean",
-                           "lstm", "gru", "rnn_tanh", "rnn_relu", "native_dropout", "max_pool2d_with_indices",
-                           "multi_head_attention"})
-# Data movement keeps its first input's dtype (an index or shape tensor takes no part; F.embedding's data is its 2nd input).
-_KEEPS_FIRST_DTYPE = tables.DATA_MOVEMENT - {"embedding", "embedding_bag", "one_hot"}
-_NAMED_CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
-_NON_FLOAT_CASTS = frozenset({"long", "int", "bool", "short", "byte", "char"})
-# Ops whose result is larger than their input by a factor read off literal arguments (cost estimates).
-_GROWING = frozenset({"repeat", "tile", "repeat_interleave", "expand"})
-
-
-@dataclass
-class ValueInfo:
-    """What one node's value is in the rewritten program.
-
-    ``is_tensor`` / ``is_float``: True, False or None (unknown).
-    ``float_dtype``: the dtype the value has if it is floating (None: unknown).
-    ``dtype``: the tensor's dtype whatever it is, when known (int64 labels too).
-    ``shape``: sizes when known.  ``container``: a tuple/list holding floating
-    tensors.  ``unknown``: why the node could not be fake-run.
-    """
-
-    is_tensor: Optional[bool] = None
-    is_float: Optional[bool] = None
-    float_dtype: Optional[torch.dtype] = None
-    dtype: Optional[torch.dtype] = None
-    shape: Optional[tuple] = None
-    container: bool = False
-    unknown: Optional[str] = None
-    fake: Any = None
-    has_value: bool = False  # ``fake`` holds the value (a fake tensor, or a Python value such as None or 3)
-
-    @classmethod
-    def of(cls, value: Any) -> "ValueInfo":
-        """Read a (fake or real) value."""
-        if isinstance(value, torch.Tensor):
-            floating = value.is_floating_point()
-            return cls(True, floating, value.dtype if floating else None, value.dtype, tuple(value.shape), fake=value, has_value=True)
-        leaves = [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
-        floats = [v.dtype for v in leaves if v.is_floating_point()]
-        widest = None
-        for dtype in floats:
-            widest = dtype if widest is None else torch.promote_types(widest, dtype)
-        return cls(False, False, widest, container=bool(floats), fake=value, has_value=True)
-
-    @classmethod
-    def non_tensor(cls) -> "ValueInfo":
-        return cls(False, False)
-
-    def write(self, node: fx.Node) -> None:
-        """Store this answer on ``node`` (the flat keys every reader uses)."""
-        m = node.meta
-        m[meta.VALUE] = self
-        m[meta.IS_TENSOR] = self.is_tensor
-        m[meta.IS_FLOAT] = self.is_float
-        m[meta.FLOAT_DTYPE] = self.float_dtype
-        m[meta.CONTAINER] = self.container
-        if self.shape is not None:
-            m[meta.SHAPE] = self.shape
-        else:
-            m.pop(meta.SHAPE, None)
-        if self.unknown:
-            m[meta.UNKNOWN] = self.unknown
-        else:
-            m.pop(meta.UNKNOWN, None)
 
 
 @dataclass
@@ -176,12 +97,7 @@ def eval_mode(module: torch.nn.Module) -> Iterator[None]:
 # --------------------------------------------------------------------------
 # What a node asks of its inputs
 # --------------------------------------------------------------------------
-def may_be_float_tensor(info: Optional[ValueInfo]) -> bool:
-    """True unless the value is known to hold no floating tensor (casts skip it then); containers of floats count."""
-    return info is not None and (info.container or (info.is_tensor is not False and info.is_float is not False))
-
-
-def _node_inputs(node: fx.Node) -> list[fx.Node]:
+def node_inputs(node: fx.Node) -> list[fx.Node]:
     found: list[fx.Node] = []
     map_arg((node.args, node.kwargs), lambda n: found.append(n) if n not in found else None)
     return found
@@ -189,24 +105,9 @@ def _node_inputs(node: fx.Node) -> list[fx.Node]:
 
 def promoting_inputs(node: fx.Node, values: Mapping[fx.Node, ValueInfo]) -> list[fx.Node]:
     """The floating inputs that decide a promoting op's dtype (0-dim tensors only when alone, as in torch)."""
-    inputs = [n for n in _node_inputs(node) if may_be_float_tensor(values.get(n))]
+    inputs = [n for n in node_inputs(node) if may_be_float_tensor(values.get(n))]
     dimensioned = [n for n in inputs if values[n].shape != ()]
     return dimensioned or inputs
-
-
-def _widest(dtypes: list[Optional[torch.dtype]]) -> Optional[torch.dtype]:
-    if not dtypes or any(d is None for d in dtypes):
-        return None
-    result = dtypes[0]
-    for d in dtypes[1:]:
-        result = torch.promote_types(result, d)
-    return result
-
-
-def explicit_dtype(node: fx.Node) -> Optional[torch.dtype]:
-    """A floating ``dtype=`` keyword the op was called with (``softmax(x, -1, dtype=torch.float32)``)."""
-    dtype = node.kwargs.get("dtype")
-    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
 def input_target(node: fx.Node, decision: str, low: torch.dtype, values: Mapping[fx.Node, ValueInfo]) -> Optional[torch.dtype]:
@@ -220,22 +121,26 @@ def input_target(node: fx.Node, decision: str, low: torch.dtype, values: Mapping
     if decision == "fp32":
         return torch.float32
     if decision == "promote":
-        return _widest([values[n].float_dtype for n in dict.fromkeys(promoting_inputs(node, values))])
+        return widest([values[n].float_dtype for n in dict.fromkeys(promoting_inputs(node, values))])
     return None
 
 
-def arrives_as(info: ValueInfo, target: Optional[torch.dtype]) -> ValueInfo:
-    """``info`` as a node with input target ``target`` reads it (float64 and non-floats are never cast)."""
+def arrives_as(info: ValueInfo, target: Optional[torch.dtype], with_value: bool = False) -> ValueInfo:
+    """``info`` as a node with input target ``target`` reads it (float64 and non-floats are never cast).
+
+    ``with_value``: cast the fake value too (a fake kernel runs; only when the op will be fake-run).
+    """
     if target is None or not may_be_float_tensor(info) or info.float_dtype == torch.float64:
         return info
     if info.float_dtype == target:
         return info
+    fake, has_value = None, False
+    if with_value and info.has_value:
+        fake, has_value = amp_cast(info.fake, target), True
     if info.container:
-        fake = amp_cast(info.fake, target) if info.fake is not None else None
-        return ValueInfo(False, False, target, container=True, fake=fake, has_value=info.has_value)
-    fake = info.fake.to(target) if isinstance(info.fake, torch.Tensor) and info.is_float else info.fake
+        return ValueInfo(False, False, target, container=True, fake=fake, has_value=has_value)
     dtype = target if info.is_float else info.dtype
-    return ValueInfo(info.is_tensor, info.is_float, target, dtype, info.shape, fake=fake, has_value=info.has_value)
+    return ValueInfo(info.is_tensor, info.is_float, target, dtype, info.shape, fake=fake, has_value=has_value)
 
 
 # --------------------------------------------------------------------------
@@ -292,16 +197,23 @@ class _Walker:
         self.examples = placeholder_examples(gm, ctx)
         self.mode = None
         if self.examples:
-            from torch._subclasses.fake_tensor import FakeTensorMode
+            self.mode = _graph_fake_mode(gm.graph) or getattr(ctx, "fake_mode", None)
+            if self.mode is None:
+                from torch._subclasses.fake_tensor import FakeTensorMode
 
-            self.mode = _graph_fake_mode(gm.graph) or FakeTensorMode(allow_non_fake_inputs=True)
+                self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+                if ctx is not None:
+                    ctx.fake_mode = self.mode  # later analyses of this conversion reuse it, and its cached fakes
         cache = getattr(ctx, "analysis_cache", None)
         self.cache: dict = cache if cache is not None else {}
 
     def _fake(self, value: Any) -> Any:
-        """A fake copy of a real tensor (fake ones are kept), so no kernel runs for real."""
+        """A fake copy of a real tensor (fake ones are kept), so no kernel runs for real; made once per tensor."""
         if isinstance(value, torch.Tensor) and not hasattr(value, "fake_mode"):
-            return self.mode.from_tensor(value, static_shapes=True)
+            key = ("fake of", id(value), value._version)
+            if key not in self.cache:
+                self.cache[key] = (value, self.mode.from_tensor(value, static_shapes=True))  # holds value: id stays unique
+            return self.cache[key][1]
         return value
 
     def run(self) -> Analysis:
@@ -340,12 +252,11 @@ class _Walker:
             return ValueInfo(written.is_tensor, written.is_float, written.float_dtype, written.dtype, written.shape,
                              fake=written.fake, has_value=written.has_value)
         target = input_target(node, decision, self.low, self.values)
-        inputs = {n: arrives_as(self.read_as.get(n, self.values[n]), target) for n in _node_inputs(node)}
-        if self.mode is not None and all(i.has_value for i in inputs.values()):
-            info = self._fake_run(node, inputs, target, decision)
-            if info is not None:
-                return info
-        return _rule_value(node, decision, inputs, target, self.gm)
+        given = {n: self.read_as.get(n, self.values[n]) for n in node_inputs(node)}
+        inputs = {n: arrives_as(info, target) for n, info in given.items()}
+        if self.mode is not None and all(i.has_value for i in given.values()):
+            return self._fake_run(node, given, inputs, target, decision)
+        return rule_value(node, decision, inputs, target, self.gm)
 
     def _placeholder(self, node: fx.Node, decision: str) -> ValueInfo:
         if node in self.examples:
@@ -357,27 +268,90 @@ class _Walker:
             info = ValueInfo()
         if decision == "entry" and info.is_float is not False:
             # O2/O3: every reader sees the entry cast, never the raw input.
-            self.read_as[node] = arrives_as(info, self.low)
+            self.read_as[node] = arrives_as(info, self.low, with_value=True)
         return info
 
-    def _fake_run(self, node: fx.Node, inputs: dict[fx.Node, ValueInfo], target: Optional[torch.dtype], decision: str) -> Optional[ValueInfo]:
+    def _fake_run(self, node: fx.Node, given: dict[fx.Node, ValueInfo], inputs: dict[fx.Node, ValueInfo],
+                  target: Optional[torch.dtype], decision: str) -> ValueInfo:
+        """Run the op's fake kernel on its inputs cast as ``target`` asks; memoised per input dtypes."""
         signature = (node, decision, target, tuple((n.name, i.float_dtype, i.dtype) for n, i in inputs.items()))
         if signature in self.cache:
             cached = self.cache[signature]
             if cached.unknown:
                 self.unknown[node.name] = cached.unknown
             return cached
-        args, kwargs = map_arg((node.args, node.kwargs), lambda n: inputs[n].fake)
-        try:
-            result = _call(self.gm, node, args, kwargs, target)
-            info = ValueInfo.of(result)
-        except Exception as error:  # any failure: the node is unknown, the conversion goes on
-            reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
-            self.unknown[node.name] = reason
-            info = _rule_value(node, decision, inputs, target, self.gm)
-            info.unknown = reason
+        # The same op on inputs of the same dtypes, shapes and strides gives the same result:
+        # a model's repeated layers are fake-run once.
+        described = map_arg((node.args, node.kwargs), lambda n: _Described(given[n], inputs[n]))
+        same_call = _call_key(node, *described, target)
+        if same_call is not None and same_call in self.cache:
+            info = dataclasses.replace(self.cache[same_call])
+        else:
+            fakes = {n: arrives_as(info, target, with_value=True).fake for n, info in given.items()}
+            args, kwargs = map_arg((node.args, node.kwargs), lambda n: fakes[n])
+            try:
+                result = _call(self.gm, node, args, kwargs, target)
+                info = ValueInfo.of(result)
+            except Exception as error:  # any failure: the node is unknown, the conversion goes on
+                reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
+                info = rule_value(node, decision, inputs, target, self.gm)
+                info.unknown = reason
+            if same_call is not None:
+                self.cache[same_call] = info
+        if info.unknown:
+            self.unknown[node.name] = info.unknown
         self.cache[signature] = info
         return info
+
+
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+@dataclass
+class _Described:
+    """An input as the call will receive it: its value before the cast, and its info after."""
+
+    before: ValueInfo
+    after: ValueInfo
+
+
+def _call_key(node: fx.Node, args: tuple, kwargs: dict, target: Optional[torch.dtype]) -> Optional[tuple]:
+    """A hashable description of a call by its inputs' metadata, or None when it cannot be described safely.
+
+    Only functions and methods (a module's forward may read any attribute);
+    only static shapes (a symbolic size stands for a value the key cannot see).
+    """
+    if node.op not in ("call_function", "call_method"):
+        return None
+    parts: list = []
+
+    def describe(value: Any) -> bool:
+        if isinstance(value, _Described):
+            fake = value.before.fake
+            if not isinstance(fake, torch.Tensor):
+                return describe(fake) if not value.before.container else False
+            if not all(isinstance(size, int) for size in (*fake.shape, *fake.stride())):
+                return False
+            parts.append(("t", value.after.dtype or fake.dtype, tuple(fake.shape), tuple(fake.stride()), fake.device.type))
+            return True
+        if isinstance(value, torch.Tensor):
+            if not all(isinstance(size, int) for size in (*value.shape, *value.stride())):
+                return False
+            parts.append(("t", value.dtype, tuple(value.shape), tuple(value.stride()), value.device.type))
+            return True
+        if isinstance(value, (list, tuple)):
+            parts.append(("(", type(value).__name__, len(value)))
+            return all(describe(item) for item in value)
+        if isinstance(value, slice):
+            return describe((value.start, value.stop, value.step))
+        if isinstance(value, _SCALARS) or value is Ellipsis:
+            parts.append(("v", type(value).__name__, value))
+            return True
+        return False
+
+    if not describe(args) or not describe(tuple(sorted(kwargs.items(), key=lambda item: item[0]))):
+        return None
+    return ("call", node.op, node.target, target, tuple(parts))
 
 
 def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
@@ -399,86 +373,6 @@ def _call(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict, target: 
     if not params:
         return module(*args, **kwargs)
     return torch.func.functional_call(module, {name: p.to(target) for name, p in params.items()}, args, kwargs)
-
-
-def _cast_target(node: fx.Node, inputs: Mapping[fx.Node, ValueInfo]) -> tuple[bool, Optional[torch.dtype]]:
-    """(is a float cast, its target) for a cast the model wrote; (False, None) for a cast to a non-float dtype."""
-    op = node.meta.get(meta.OP)
-    if op in _NAMED_CASTS:
-        return True, _NAMED_CASTS[op]
-    if node.target is amp_cast:
-        return True, node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype")
-    if node.target is amp_promote:
-        return True, None  # the widest of its inputs, known only at run time
-    for arg in list(node.args[1:]) + list(node.kwargs.values()):
-        if isinstance(arg, torch.dtype):
-            return arg.is_floating_point, arg if arg.is_floating_point else None
-        if isinstance(arg, fx.Node) and arg in inputs:  # .to(other) / .type_as(other)
-            info = inputs[arg]
-            return info.is_float is not False, info.float_dtype
-    return True, None
-
-
-def _rule_value(node: fx.Node, decision: str, inputs: Mapping[fx.Node, ValueInfo], target: Optional[torch.dtype],
-                gm: fx.GraphModule) -> ValueInfo:
-    """Dtype-only mode: the op's result rule (see the module docstring, step 4)."""
-    op = node.meta.get(meta.OP)
-    if op in _NON_TENSOR_RESULT or (node.op == "call_method" and node.target in _NON_TENSOR_RESULT):
-        return ValueInfo.non_tensor()
-    if node.op == "call_function" and node.target is getattr and len(node.args) > 1 and node.args[1] in _NON_TENSOR_ATTRS:
-        return ValueInfo.non_tensor()
-    if node.op == "call_method" and node.target in _NON_FLOAT_CASTS:
-        return ValueInfo(True, False)
-    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-    first_info = inputs.get(first) if first is not None else None
-    if op == "getitem" and first_info is not None and (first_info.container or first_info.is_tensor is None):
-        # An item of a tuple of tensors (chunk, LSTM outputs): its dtype flows through.
-        if first_info.container:
-            return ValueInfo(None, None, first_info.float_dtype)
-        return ValueInfo()
-    if op in _TUPLE_RESULT and first_info is not None and first_info.is_float is not False and first_info.float_dtype:
-        return ValueInfo(False, False, first_info.float_dtype if target is None else target, container=True)
-    complex_in = next((i.dtype for i in inputs.values() if i.dtype is not None and i.dtype.is_complex), None)
-    if complex_in is not None:
-        # ``h * phase`` with a complex phase is complex: never a float, never cast.
-        return ValueInfo(True, False, None, complex_in)
-    if op in _NON_FLOAT_RESULT:
-        return ValueInfo(None, False)
-    if decision == "cast" or op in CAST_OPS:
-        is_float_cast, dtype = _cast_target(node, inputs)
-        if not is_float_cast:
-            return ValueInfo(True, False)
-        if dtype is not None:
-            source = first_info
-            known = source is not None and source.is_float is True
-            return ValueInfo(True if known else None, True if known else None, dtype, shape=source.shape if source else None)
-    explicit = explicit_dtype(node)
-    if explicit is not None:
-        return ValueInfo(True, True, explicit)
-    reads_float64 = any(i.float_dtype == torch.float64 for i in inputs.values() if may_be_float_tensor(i))
-    if decision in ("low", "fp32") and target is not None and not reads_float64:
-        if op in _FLOAT_RESULT:
-            return ValueInfo(True, True, target)
-        if node.op == "call_module":
-            return ValueInfo(None, None, target)
-    if op in _KEEPS_FIRST_DTYPE and first_info is not None and first_info.is_tensor is not False and not first_info.container:
-        return ValueInfo(first_info.is_tensor, first_info.is_float, first_info.float_dtype, first_info.dtype)
-    if op == "embedding" and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
-        weight = inputs[node.args[1]]
-        return ValueInfo(True if weight.is_float else None, weight.is_float, weight.float_dtype)
-    floats = [i for n, i in inputs.items() if may_be_float_tensor(i)]
-    dimensioned = [i for i in floats if i.shape != ()]
-    deciding = dimensioned or floats
-    if not deciding:
-        if inputs and any(i.container for i in inputs.values()):
-            return ValueInfo(None, None, _widest([i.float_dtype for i in inputs.values() if i.container]))
-        # Factories (torch.zeros(x.size())) make the default dtype when they make floats.
-        if all(i.is_tensor is False for i in inputs.values()):
-            return ValueInfo(None, None, torch.get_default_dtype())
-        return ValueInfo()
-    is_float = True if (first_info is not None and first_info.is_float is True and op in tables.FOLLOW) or \
-        (op in _FLOAT_RESULT) else None
-    return ValueInfo(True if is_float else None, is_float, _widest([i.float_dtype for i in deciding]))
 
 
 def analyse(gm: fx.GraphModule, ctx: Any = None, paint: Optional[dict] = None, *,
@@ -540,106 +434,3 @@ def mutated_values(graph: fx.Graph) -> set[fx.Node]:
                 found.add(other)
                 todo.append(other)
     return found
-
-
-# --------------------------------------------------------------------------
-# Sizes and the casts a paint implies
-# --------------------------------------------------------------------------
-def _growth(node: fx.Node) -> int:
-    """How many times larger than its input a repeat-like op's result is, from literal arguments (1 if unknown)."""
-    op = node.meta.get(meta.OP)
-    if op not in _GROWING:
-        return 1
-    sizes = [a for a in node.args[1:] if isinstance(a, int)]
-    if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)):
-        sizes = [a for a in node.args[1] if isinstance(a, int)]
-    if op == "expand":
-        return 2 if sizes else 1  # the input's shape is unknown: only "larger"
-    return max(1, math.prod(sizes)) if sizes else 1
-
-
-def numel_estimates(graph: fx.Graph) -> dict[fx.Node, int]:
-    """Elements per value: from shapes where known; otherwise a graph input counts ``FALLBACK_NUMEL``
-    and an op's result as much as its largest input (times a repeat's literal factor)."""
-    numel: dict[fx.Node, int] = {}
-    for node in graph.nodes:
-        shape = node.meta.get(meta.SHAPE)
-        inputs = [numel[n] for n in _node_inputs(node) if n in numel]
-        if shape is not None and all(isinstance(size, int) for size in shape):  # a SymInt would add a guard
-            numel[node] = math.prod(shape)
-        elif inputs and node.op not in ("placeholder", "get_attr"):
-            numel[node] = max(inputs) * _growth(node)
-        else:
-            numel[node] = FALLBACK_NUMEL
-    return numel
-
-
-def cast_bytes(node: fx.Node) -> Optional[int]:
-    """Bytes an inserted cast node reads plus writes, from shape metadata (None without shapes)."""
-    shape = node.meta.get(meta.SHAPE)
-    _, source_dtype, target = node.meta.get(meta.CAST_OF, (None, None, None))
-    if shape is None or target is None or not all(isinstance(s, int) for s in shape):
-        return None
-    # An unknown source dtype is counted as fp32: the cast exists because it differs.
-    return math.prod(shape) * (ELEMENT_SIZE.get(source_dtype, 4) + ELEMENT_SIZE.get(target, 2))
-
-
-def _widening_model_cast(node: fx.Node, values: Mapping[fx.Node, ValueInfo]) -> Optional[fx.Node]:
-    """The value a cast the model wrote widens (``x.float()`` on a low x), which a later cast reads through."""
-    if node.meta.get(meta.DECISION) != "cast" or node.meta.get(meta.INSERTED) or not node.args:
-        return None
-    source = node.args[0]
-    target = values[node].float_dtype
-    if not isinstance(source, fx.Node) or target not in (torch.float32, torch.float64):
-        return None
-    info = values.get(source)
-    return source if info is not None and info.is_float is True and info.float_dtype != torch.float64 else None
-
-
-def planned_casts(gm: fx.GraphModule, analysis: Analysis, paint: Mapping[fx.Node, str], low: torch.dtype,
-                  output_dtype: Optional[torch.dtype]) -> dict[tuple[fx.Node, torch.dtype], int]:
-    """The casts ``insert_casts`` (then ``fold_casts``) writes under ``paint``, one per (value, dtype), with their bytes.
-
-    Sizes come from :func:`numel_estimates`.  A cast that reads a widening
-    cast the model wrote reads through it, as ``fold_casts`` does.
-    """
-    values = analysis.values
-    numel = numel_estimates(gm.graph)
-    casts: dict[tuple[fx.Node, torch.dtype], int] = {}
-
-    def want(value: fx.Node, dtype: Optional[torch.dtype]) -> None:
-        info = analysis.read_as.get(value, values.get(value))
-        if dtype is None or not may_be_float_tensor(info) or info.float_dtype == torch.float64:
-            return
-        through = _widening_model_cast(value, values)
-        if through is not None:
-            value, info = through, values[through]
-        if info.float_dtype == dtype:
-            return
-        source_size = ELEMENT_SIZE.get(info.float_dtype, 4)
-        casts[(value, dtype)] = numel.get(value, FALLBACK_NUMEL) * (source_size + ELEMENT_SIZE.get(dtype, 2))
-
-    for node in gm.graph.nodes:
-        decision = paint.get(node) or node.meta.get(meta.DECISION, "follow")
-        if node.op == "placeholder":
-            if node in analysis.read_as and values[node].float_dtype != low:
-                source_size = ELEMENT_SIZE.get(values[node].float_dtype, 4)
-                casts[(node, low)] = numel.get(node, FALLBACK_NUMEL) * (source_size + ELEMENT_SIZE[low])
-            continue
-        if node.op == "output":
-            if decision == "exit":
-                map_arg(node.args, lambda n: want(n, output_dtype))
-            continue
-        if node.op == "get_attr" or node.meta.get(meta.INPLACE):
-            continue
-        target = input_target(node, decision, low, values)
-        if target is None:
-            continue
-        for value in _node_inputs(node):
-            want(value, target)
-        if node.op == "call_module":
-            module = gm.get_submodule(str(node.target))
-            for name, p in module.named_parameters():
-                if p.is_floating_point() and p.dtype not in (target, torch.float64):
-                    casts[(f"{node.target}.{name}", target)] = p.numel() * (ELEMENT_SIZE.get(p.dtype, 4) + ELEMENT_SIZE.get(target, 2))
-    return casts

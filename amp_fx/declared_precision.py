@@ -87,14 +87,12 @@ def autocast_rule_dtype(op: torch._ops.OpOverload, device_type: str) -> tuple[bo
 
 
 def _graph_device(node: fx.Node, ctx: Any) -> str:
-    if "device_type" in ctx.extra:
-        return ctx.extra["device_type"]
-    module = node.graph.owning_module
-    if module is not None:
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            if tensor.is_floating_point():
-                return tensor.device.type
-    return "cpu"
+    """The graph's device type, found once per conversion (scanning the parameters per node is quadratic)."""
+    if "device_type" not in ctx.extra:
+        module = node.graph.owning_module
+        tensors = list(module.parameters()) + list(module.buffers()) if module is not None else []
+        ctx.extra["device_type"] = next((t.device.type for t in tensors if t.is_floating_point()), "cpu")
+    return ctx.extra["device_type"]
 
 
 def _cast_decision(what: str, dtype: torch.dtype, ctx: Any, node: fx.Node) -> Decision:

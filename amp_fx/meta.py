@@ -34,16 +34,18 @@ key                 written by                   holds
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 __all__ = [
     "OP", "INPLACE", "MODULE_PATH", "MODULE_STACK", "SOURCE", "PARAM", "DECISION", "REASON", "RULE", "LOW_DTYPE",
     "VALUE", "IS_TENSOR", "IS_FLOAT", "FLOAT_DTYPE", "SHAPE", "CONTAINER", "ORIG_DTYPE", "UNKNOWN",
     "INSERTED", "CAST_OF", "WEIGHT_CAST", "PLACED_FROM", "PADDED",
-    "float_dtype", "example_value",
+    "float_dtype", "example_value", "ValueInfo", "may_be_float_tensor",
 ]
 
 OP = "amp_fx.op"
@@ -81,3 +83,64 @@ def example_value(node: fx.Node) -> Any:
     if "val" in node.meta:
         return node.meta["val"]
     return node.meta.get("example_value")
+
+
+@dataclass
+class ValueInfo:
+    """What one node's value is in the rewritten program.
+
+    ``is_tensor`` / ``is_float``: True, False or None (unknown).
+    ``float_dtype``: the dtype the value has if it is floating (None: unknown).
+    ``dtype``: the tensor's dtype whatever it is, when known (int64 labels too).
+    ``shape``: sizes when known.  ``container``: a tuple/list holding floating
+    tensors.  ``unknown``: why the node could not be fake-run.
+    """
+
+    is_tensor: Optional[bool] = None
+    is_float: Optional[bool] = None
+    float_dtype: Optional[torch.dtype] = None
+    dtype: Optional[torch.dtype] = None
+    shape: Optional[tuple] = None
+    container: bool = False
+    unknown: Optional[str] = None
+    fake: Any = None
+    has_value: bool = False  # ``fake`` holds the value (a fake tensor, or a Python value such as None or 3)
+
+    @classmethod
+    def of(cls, value: Any) -> "ValueInfo":
+        """Read a (fake or real) value."""
+        if isinstance(value, torch.Tensor):
+            floating = value.is_floating_point()
+            return cls(True, floating, value.dtype if floating else None, value.dtype, tuple(value.shape), fake=value, has_value=True)
+        leaves = [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+        floats = [v.dtype for v in leaves if v.is_floating_point()]
+        widest = None
+        for dtype in floats:
+            widest = dtype if widest is None else torch.promote_types(widest, dtype)
+        return cls(False, False, widest, container=bool(floats), fake=value, has_value=True)
+
+    @classmethod
+    def non_tensor(cls) -> "ValueInfo":
+        return cls(False, False)
+
+    def write(self, node: fx.Node) -> None:
+        """Store this answer on ``node`` (the flat keys every reader uses)."""
+        m = node.meta
+        m[VALUE] = self
+        m[IS_TENSOR] = self.is_tensor
+        m[IS_FLOAT] = self.is_float
+        m[FLOAT_DTYPE] = self.float_dtype
+        m[CONTAINER] = self.container
+        if self.shape is not None:
+            m[SHAPE] = self.shape
+        else:
+            m.pop(SHAPE, None)
+        if self.unknown:
+            m[UNKNOWN] = self.unknown
+        else:
+            m.pop(UNKNOWN, None)
+
+
+def may_be_float_tensor(info: Optional[ValueInfo]) -> bool:
+    """True unless the value is known to hold no floating tensor (casts skip it then); containers of floats count."""
+    return info is not None and (info.container or (info.is_tensor is not False and info.is_float is not False))

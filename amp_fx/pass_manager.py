@@ -45,6 +45,8 @@ class PassContext:
     # Fake-kernel results of the dtype analysis, keyed by node and input dtypes:
     # analysing another paint re-runs only the nodes whose inputs changed.
     analysis_cache: dict = field(default_factory=dict)
+    # The one FakeTensorMode of this conversion's analyses (cached fake values must not mix modes).
+    fake_mode: Any = None
 
     @property
     def low(self) -> torch.dtype:

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from amp_fx.cast_nodes import is_inserted_cast
-from amp_fx.analysis import cast_bytes
+from amp_fx.cast_costs import cast_bytes
 from amp_fx.meta import float_dtype
 
 __all__ = ["ConversionReport", "NodeRecord", "build_report"]

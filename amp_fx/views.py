@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from amp_fx.cast_nodes import cast_target, is_inserted_cast
 from amp_fx.views_draw import draw
-from amp_fx.analysis import cast_bytes
+from amp_fx.cast_costs import cast_bytes
 from amp_fx.meta import float_dtype
 from amp_fx.views_summary import Summary, summary
 

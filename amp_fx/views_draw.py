@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from amp_fx.analysis import cast_bytes
+from amp_fx.cast_costs import cast_bytes
 from amp_fx.meta import float_dtype
 
 __all__ = ["draw", "dot_source", "builtin_svg", "category", "COLOURS"]

@@ -11,7 +11,6 @@ time until the cast reads the parameter.
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 

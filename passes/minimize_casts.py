@@ -50,8 +50,8 @@ import torch
 import torch.fx as fx
 
 from amp_fx import meta
-from amp_fx.analysis import (ELEMENT_SIZE, Analysis, ValueInfo, analyse, explicit_dtype, mutated_values, numel_estimates,
-                             planned_casts, promoting_inputs)
+from amp_fx.analysis import Analysis, ValueInfo, analyse, explicit_dtype, mutated_values, promoting_inputs
+from amp_fx.cast_costs import ELEMENT_SIZE, numel_estimates, planned_casts, static_numel
 from amp_fx.pass_manager import PassContext, PassResult
 
 __all__ = ["minimize_casts", "CastProblem", "build_problem", "measure_cast_bytes", "cost_view"]
@@ -345,8 +345,7 @@ def measure_cast_bytes(gm: fx.GraphModule, ctx: PassContext, paint: Optional[dic
 
 
 def _has_int_shape(node: fx.Node) -> bool:
-    shape = node.meta.get(meta.SHAPE)
-    return shape is not None and all(isinstance(size, int) for size in shape)
+    return static_numel(node.meta.get(meta.SHAPE)) is not None
 
 
 def _paint_of(node: fx.Node) -> tuple[str, str, str]:

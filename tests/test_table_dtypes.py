@@ -321,3 +321,18 @@ def test_fp16_low_ops_run_in_fp16_on_small_shapes():
     assert gm(r(2, 8)).dtype == torch.float16
     gm = amp_fx.convert(Wrap(nn.Conv2d(3, 4, 3)), "O1", dtype=torch.float16, cast_model_outputs=False)
     assert gm(r(1, 3, 5, 5)).dtype == torch.float16
+
+
+def _to_low(value, dtype):
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+@pytest.mark.parametrize("input_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("op, module, inputs", _flat(low_cases()))
+def test_low_ops_take_low_inputs_beside_fp32_parameters(op, module, inputs, input_dtype):
+    """Low inputs into a GEMM/conv whose parameters are fp32 convert with example inputs (the dtype analysis
+    runs each op on the dtypes it will get) and run in the conversion's low dtype, as autocast would."""
+    low_inputs = tuple(_to_low(value, input_dtype) for value in inputs)
+    gm = amp_fx.convert(module, "O1", dtype=LOW, cast_model_outputs=False, example_inputs=low_inputs)
+    assert op in {r.op for r in gm.amp_report.nodes if r.decision == "low"}
+    assert _first_tensor(gm(*low_inputs)).dtype == LOW
