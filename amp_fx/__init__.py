@@ -22,6 +22,7 @@ _LAZY = {
     # runtime (amp_fx/runtime)
     "LossScaler": "amp_fx.runtime",
     "MasterWeightOptimizer": "amp_fx.runtime",
+    "LowPrecisionOptimizer": "amp_fx.runtime",
     # Apex-style API
     "initialize": "amp_fx.apex",
     "scale_loss": "amp_fx.apex",

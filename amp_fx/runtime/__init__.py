@@ -2,6 +2,7 @@
 
 from .loss_scaler import LossScaleCollapseError, LossScaler
 from .master_weights import MasterWeightOptimizer
+from .masterless import LowPrecisionOptimizer
 from .scaler_state import LossScalerStateError
 
 __all__ = [
@@ -9,4 +10,5 @@ __all__ = [
     "LossScaleCollapseError",
     "LossScalerStateError",
     "MasterWeightOptimizer",
+    "LowPrecisionOptimizer",
 ]

@@ -12,11 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
-from amp_fx.runtime import LossScaler, MasterWeightOptimizer
+from amp_fx.runtime import LossScaler, LowPrecisionOptimizer, MasterWeightOptimizer
 from amp_fx.runtime.low_precision_update import (
     compensated_add_, merge_compensated, split_compensated, stochastic_round,
 )
-from amp_fx.runtime.masterless import LowPrecisionOptimizer
 from amp_fx.runtime.training_memory import measure_training_memory
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples"))
@@ -40,9 +39,9 @@ def batches(n, seed=1, d=8, out=4):
 
 
 def o3(update="stochastic", optimizer=torch.optim.AdamW, state_dtype=None, seed=0, lr=1e-2, **kw):
-    """(O3 module, LowPrecisionOptimizer over it)."""
+    """(O3 module, LowPrecisionOptimizer over it), through the public names."""
     gm = amp_fx.convert(mlp(), "O3", dtype=BF16)
-    return gm, LowPrecisionOptimizer(optimizer(gm.parameters(), lr=lr), gm, update=update,
+    return gm, amp_fx.LowPrecisionOptimizer(optimizer(gm.parameters(), lr=lr), gm, update=update,
                                      state_dtype=state_dtype, seed=seed, **kw)
 
 
