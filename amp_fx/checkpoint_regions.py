@@ -26,7 +26,6 @@ import operator
 import threading
 from typing import Any, Iterator, Optional
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils.checkpoint as torch_checkpoint

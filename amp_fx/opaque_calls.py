@@ -20,7 +20,6 @@ import threading
 import weakref
 from typing import Any, Iterator, Optional
 
-import torch
 import torch.fx as fx
 from torch.autograd.function import Function, _is_setup_context_defined
 from torch.utils._pytree import tree_leaves
