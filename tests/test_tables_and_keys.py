@@ -15,7 +15,8 @@ from amp_fx.op_keys import canonical_op, is_inplace, module_op_name
 # autocast reference lists by their Python name.
 PYTHON_LEVEL_NAMES = {"cross_entropy", "normalize", "softmin", "interpolate", "rtruediv", "multi_head_attention",
                       "lstm_cell", "gru_cell", "getitem", "setitem", "identity", "pad", "getattr", "size", "dim",
-                      "grid_sampler", "chain_matmul", "slice", "lift_fresh_copy", "unsafe_view"}
+                      "grid_sampler", "chain_matmul", "slice", "lift_fresh_copy", "unsafe_view",
+                      "_guards_fn"}  # the shape-guard module of an unlifted torch.export graph
 
 
 def test_tables_are_disjoint():

@@ -132,13 +132,14 @@ def reference_run(model: torch.nn.Module, make_inputs: Callable[[], tuple]) -> R
     return Reference([t.detach() for t in _leaves(out)], dict(counter.counts), grads)
 
 
-class _Recorder(fx.Interpreter):
+class Recorder(fx.Interpreter):
     """Runs a graph node by node, keeping each node's float input dtypes and result dtype."""
 
     def __init__(self, gm: fx.GraphModule):
         super().__init__(gm)
         self.inputs: dict[str, list[torch.dtype]] = {}
         self.result: dict[str, Optional[torch.dtype]] = {}
+        self.shapes: dict[str, tuple] = {}
         self.sources: dict[str, Optional[torch.dtype]] = {}
 
     def run_node(self, node: fx.Node) -> Any:
@@ -149,6 +150,8 @@ class _Recorder(fx.Interpreter):
         self.sources[node.name] = first.dtype if isinstance(first, torch.Tensor) else None
         result = super().run_node(node)
         self.result[node.name] = result.dtype if isinstance(result, torch.Tensor) else None
+        if isinstance(result, torch.Tensor):
+            self.shapes[node.name] = tuple(result.shape)
         return result
 
 
@@ -223,7 +226,7 @@ def _check_report(gm: Any, level: str) -> None:
         assert record.decision == expected, f"{node.name} ({op}): decision {record.decision}, tables say {expected}"
 
 
-def _check_runtime_dtypes(gm: fx.GraphModule, recorder: _Recorder, low: torch.dtype, level: str,
+def _check_runtime_dtypes(gm: fx.GraphModule, recorder: Recorder, low: torch.dtype, level: str,
                           exact_inputs: bool) -> None:
     wide = torch.float64
     for node in gm.graph.nodes:
@@ -246,6 +249,36 @@ def _check_runtime_dtypes(gm: fx.GraphModule, recorder: _Recorder, low: torch.dt
             assert set(seen) <= {torch.float32, wide}, f"{node.name} ({node.meta.get('amp_fx.op')}) is fp32 but reads {seen}"
         elif decision == "promote":
             assert len(set(seen)) <= 1, f"{node.name} ({node.meta.get('amp_fx.op')}) promotes but reads {seen}"
+
+
+def check_predictions(gm: fx.GraphModule, recorder: Recorder, exact: bool) -> int:
+    """The dtype analysis told the truth: each node's predicted dtype and shape are what the module produced.
+
+    ``exact``: every floating value's dtype must be predicted (example inputs
+    were given); otherwise the analysis may say "unknown", never something
+    wrong -- with one documented assumption: a floating input of unknown dtype
+    is taken not to be float64 (a guarded cast leaves float64 as it is, so a
+    float64 value downstream of one runs correctly in float64, as under autocast).
+    Returns how many values were checked.
+    """
+    checked = 0
+    for node in gm.graph.nodes:
+        dtype = recorder.result.get(node.name)
+        if dtype is None or node.op == "output":
+            continue
+        assert node.meta.get("amp_fx.is_tensor") is not False, f"{node.name} was predicted not to be a tensor"
+        if dtype.is_floating_point:
+            predicted = node.meta.get("amp_fx.float_dtype")
+            assert node.meta.get("amp_fx.is_float") is not False, f"{node.name} was predicted not floating"
+            guarded_float64 = not exact and dtype == torch.float64
+            assert predicted == dtype or (not exact and predicted is None) or guarded_float64, \
+                f"{node.name}: predicted {predicted}, ran {dtype}"
+        else:
+            assert node.meta.get("amp_fx.is_float") is not True, f"{node.name} ({dtype}) was predicted floating"
+        shape = node.meta.get("amp_fx.shape")
+        assert shape is None or tuple(shape) == recorder.shapes[node.name], f"{node.name}: shape {shape}, ran {recorder.shapes[node.name]}"
+        checked += 1
+    return checked
 
 
 def _check_against_autocast(model: torch.nn.Module, probe: DispatchProbe, make_inputs: Callable, dtype: torch.dtype) -> None:
@@ -322,9 +355,10 @@ def check_conversion(model: torch.nn.Module, make_inputs: Callable[[], tuple], l
     gm.graph.lint()
     _check_structure(gm, level)
     _check_report(gm, level)
-    recorder = _Recorder(gm)
+    recorder = Recorder(gm)
     recorder.run(*make_inputs())
     _check_runtime_dtypes(gm, recorder, dtype, level, exact_inputs=example_inputs)
+    check_predictions(gm, recorder, exact=example_inputs)
     with DispatchProbe() as counter:
         out = gm(*make_inputs())
     if level == "O1":

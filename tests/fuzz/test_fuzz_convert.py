@@ -19,12 +19,12 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
 import amp_fx
-from fuzz.invariants import LEVELS, LOW_DTYPES, check_model, reference_run, tolerance
+from fuzz.invariants import LEVELS, LOW_DTYPES, Recorder, check_model, check_predictions, reference_run, tolerance
 from fuzz.strategies import CATEGORIES, OPS, build_model, make_inputs, programs
 
 # Hypothesis keeps caches (and, on a failure, patches) under its home directory: not in the repository.
@@ -67,6 +67,30 @@ def test_the_vocabulary_covers_every_table_category():
 def test_random_modules_keep_the_invariants_at_every_level(program, dtype, example_inputs):
     """O0-O3 in the drawn low dtype, with or without example inputs (see fuzz/invariants.py)."""
     check_model(lambda: build_model(program), lambda: make_inputs(program), dtypes=(dtype,), example_inputs=example_inputs)
+
+
+@_share(0.15)
+@given(program=programs(max_steps=6), input_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       dtype=st.sampled_from(LOW_DTYPES))
+def test_what_runs_under_autocast_converts_and_the_analysis_tells_the_truth(program, input_dtype, dtype):
+    """Floating inputs arrive fp32, bf16 or fp16.  If the model runs under torch.autocast, convert() with those
+    example inputs runs too, returns what autocast returns (floating or not, same shapes), and every dtype and
+    shape the analysis predicted is what the converted module produced, node by node."""
+    model = build_model(program)
+
+    def inputs():
+        return tuple(t.to(input_dtype) if t.is_floating_point() else t for t in make_inputs(program))
+
+    try:
+        with torch.autocast("cpu", dtype=dtype):
+            eager = torch.utils._pytree.tree_leaves(model(*inputs()))
+    except RuntimeError:
+        assume(False)  # illegal under autocast too: nothing to promise
+    gm = amp_fx.convert(model, "O1", dtype=dtype, example_inputs=inputs(), cast_model_outputs=False)
+    recorder = Recorder(gm)
+    out = torch.utils._pytree.tree_leaves(recorder.run(*inputs()))
+    assert [(t.is_floating_point(), t.shape) for t in out] == [(t.is_floating_point(), t.shape) for t in eager]
+    check_predictions(gm, recorder, exact=True)
 
 
 # In-place ops are left out here: Dynamo functionalises them on its own terms,
