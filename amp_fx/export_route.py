@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 from typing import Any, Mapping, Optional
 
 import torch
@@ -138,6 +139,8 @@ def export_module(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
         if isinstance(shapes, Mapping) and not args:
             shapes = {k: v for k, v in shapes.items() if k in tensors}
     exported = torch.export.export(bound, tuple(args), tensors, dynamic_shapes=shapes, strict=False)
+    if dynamic_shapes is None and shapes:
+        _warn_specialised(exported, shapes)
     notes = []
     if constants:
         notes.append("constants of the traced forward (not inputs of the converted module): "
@@ -146,15 +149,38 @@ def export_module(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
     return exported.module(), constants, notes
 
 
+def _user_input_values(exported: Any) -> dict[str, Any]:
+    """Each user input's name and its example value in the exported program."""
+    values = {}
+    placeholders = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
+    for spec in exported.graph_signature.input_specs:
+        if spec.kind.name == "USER_INPUT" and getattr(spec.arg, "name", None) in placeholders:
+            values[spec.arg.name] = placeholders[spec.arg.name].meta.get("val")
+    return values
+
+
+def _warn_specialised(exported: Any, shapes: Mapping[str, Any]) -> None:
+    """Warn when a dimension amp_fx asked to keep dynamic came out static (a size-1 batch, a model that fixes it)."""
+    values = _user_input_values(exported)
+    fixed = []
+    for name, dims in shapes.items():
+        value = values.get(name)
+        if not dims or not isinstance(value, torch.Tensor):
+            continue
+        fixed += [f"{name}.shape[{d}] == {value.shape[d]}" for d in dims if isinstance(value.shape[d], int)]
+    if fixed:
+        warnings.warn(
+            f"torch.export kept {', '.join(fixed)} static: the converted module only accepts that size there. "
+            "A size of 1 is always specialised (give an example with batch and sequence length of 2 or more); "
+            "otherwise the model fixes the size, or pass dynamic_shapes= to say what should vary.",
+            stacklevel=4,
+        )
+
+
 def shape_notes(exported: Any) -> list[str]:
     """Say which input dimensions the exported program keeps dynamic."""
     dynamic, static = [], []
-    for spec in exported.graph_signature.input_specs:
-        if spec.kind.name != "USER_INPUT":
-            continue
-        name = getattr(spec.arg, "name", None)
-        node = next((n for n in exported.graph.nodes if n.op == "placeholder" and n.name == name), None)
-        value = node.meta.get("val") if node is not None else None
+    for name, value in _user_input_values(exported).items():
         if not isinstance(value, torch.Tensor):
             continue
         sizes = ["?" if not isinstance(s, int) else str(s) for s in value.shape]

@@ -76,24 +76,15 @@ def test_o1_forward_and_gradients_agree_with_fp32(kind):
         assert (p.grad - theirs[name].grad).abs().max().item() <= 0.05 * scale + 1e-4, name
 
 
-def test_non_tensor_kwargs_are_constants_not_inputs():
-    """use_cache / return_dict given as examples are bound into the trace; the converted module is called without them."""
-    model = gpt2()
-    data = batch("gpt2")
-    converted = amp_fx.convert(model, example_kwarg_inputs={**data, "use_cache": False, "return_dict": True})
-    out = converted(**data)
-    assert out.loss.dim() == 0 and out.logits.shape == (2, 16, 128)
-    assert model.config.use_cache is True  # the model's own config is untouched
-
-
-def test_cache_is_off_for_the_trace_without_the_user_asking():
-    """A config with use_cache=True converts without an example use_cache: the trace is cacheless, the model unchanged."""
+def test_cache_off_and_non_tensor_kwargs_are_constants():
+    """No use_cache needed from the user (the trace is cacheless); return_dict given as an example is bound, not an input."""
     model = gpt2()
     assert model.config.use_cache
-    converted = amp_fx.convert(model, example_kwarg_inputs=batch("gpt2"))
-    out = converted(**batch("gpt2", seed=1))
+    converted = amp_fx.convert(model, example_kwarg_inputs={**batch("gpt2"), "return_dict": True})
+    out = converted(**batch("gpt2", seed=1))  # called without return_dict / use_cache
+    assert out.loss.dim() == 0 and out.logits.shape == (2, 16, 128)
     assert getattr(out, "past_key_values", None) is None
-    assert model.config.use_cache is True and converted.config.use_cache is True
+    assert model.config.use_cache is True and converted.config.use_cache is True  # the model's config untouched
 
 
 def test_dynamic_shapes_keyword():
@@ -117,3 +108,10 @@ def test_untraceable_without_examples_names_the_model_and_the_route():
     message = str(caught.value)
     assert "GPT2LMHeadModel" in message and "<root module>" not in message
     assert "example_kwarg_inputs={'input_ids'" in message and "backend='amp_fx'" in message
+
+
+def test_a_size_one_batch_is_static_and_says_so():
+    """An example with batch 1 cannot keep the batch dynamic (torch.export specialises 1): amp_fx warns at conversion."""
+    with pytest.warns(UserWarning, match=r"kept input_ids.shape\[0\] == 1, labels.shape\[0\] == 1 static"):
+        converted = amp_fx.convert(gpt2(), example_kwarg_inputs=batch("gpt2", size=1))
+    assert converted(**batch("gpt2", size=1, length=9)).logits.shape == (1, 9, 128)  # the sequence is still dynamic
