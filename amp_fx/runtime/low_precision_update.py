@@ -50,12 +50,16 @@ def _check(x: torch.Tensor, dtype: torch.dtype) -> None:
 def random_uint16(numel: int, generator: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
     """``numel`` uniformly random integers in ``[0, 65536)``, as int32, drawn from ``generator``.
 
-    Drawn as full-range int64 words (two values per word) and masked: about
-    3x cheaper than ``torch.randint`` on a CPU.
+    Large draws come as full-range int64 words, two values per word, masked:
+    about 3x cheaper than ``torch.randint`` on a CPU; small ones (where the
+    call count is the cost) from one ``randint``.
     """
+    if numel < 4096:
+        return torch.randint(0, 65536, (numel,), generator=generator, device=device, dtype=torch.int32)
     words = torch.empty((numel + 1) // 2, dtype=torch.int64, device=device)
     words.random_(-(2**63), None, generator=generator)
-    return words.view(torch.int32)[:numel].bitwise_and_(0xFFFF)
+    bits = words.view(torch.int32)
+    return (bits if bits.numel() == numel else bits[:numel]).bitwise_and_(0xFFFF)
 
 
 def stochastic_round(
@@ -75,18 +79,12 @@ def stochastic_round(
     value, with the probability its distance from it says.
     """
     _check(x, dtype)
-    if out is None:
-        out = torch.empty_like(x, dtype=dtype)
-    elif out.dtype != dtype or out.shape != x.shape:
+    if out is not None and (out.dtype != dtype or out.shape != x.shape):
         raise ValueError(f"out must be {dtype} of shape {tuple(x.shape)}, got {out.dtype} {tuple(out.shape)}")
-    if x.numel() == 0:
-        return out
     with torch.no_grad():
         if dtype == torch.bfloat16:
-            _stochastic_round_bf16(x if inplace else x.clone(), out, generator)
-        else:
-            _stochastic_round_grid(x, dtype, out, generator)
-    return out
+            return _stochastic_round_bf16(x if inplace else x.clone(), out, generator)
+        return _stochastic_round_grid(x, dtype, out, generator)
 
 
 def _canonical_nan_(x: torch.Tensor) -> torch.Tensor:
@@ -95,17 +93,19 @@ def _canonical_nan_(x: torch.Tensor) -> torch.Tensor:
     return x.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=float("-inf"))
 
 
-def _stochastic_round_bf16(x: torch.Tensor, out: torch.Tensor, generator: torch.Generator) -> None:
+def _stochastic_round_bf16(x: torch.Tensor, out: torch.Tensor | None, generator: torch.Generator) -> torch.Tensor:
     # bf16 is the top half of fp32: adding a uniform 16-bit integer to the low
     # half carries into the top half with probability low/65536, and clearing
     # the low half then leaves exactly a bf16 value. Sign-magnitude makes this
     # round |x| up, i.e. away from zero, as the probability requires.
     # Everything runs in place on x (fresh large buffers cost page faults).
-    x = _canonical_nan_(x.contiguous())
-    bits = x.view(torch.int32)
-    bits.add_(random_uint16(x.numel(), generator, x.device).view(x.shape))
+    if not x.is_contiguous():
+        x = x.contiguous()
+    bits = _canonical_nan_(x).view(torch.int32)
+    bits.view(-1).add_(random_uint16(x.numel(), generator, x.device))
     bits.bitwise_and_(-65536)
-    out.copy_(x)  # exact: the low half is zero
+    # Exact: the low half is zero.
+    return x.to(torch.bfloat16) if out is None else out.copy_(x)
 
 
 def _spacing_exponent(x: torch.Tensor) -> torch.Tensor:
@@ -117,7 +117,9 @@ def _spacing_exponent(x: torch.Tensor) -> torch.Tensor:
     return spacing.clamp_(min=smallest)
 
 
-def _stochastic_round_grid(x: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, generator: torch.Generator) -> None:
+def _stochastic_round_grid(
+    x: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None, generator: torch.Generator
+) -> torch.Tensor:
     # fp16 is not a truncation of fp32, so round on its grid: truncate toward
     # zero to a multiple of the spacing s, then add s with probability frac.
     # Every step is exact in fp32 (scaling by powers of two, trunc).
@@ -126,7 +128,8 @@ def _stochastic_round_grid(x: torch.Tensor, dtype: torch.dtype, out: torch.Tenso
     frac = (x - down).abs_().div_(spacing)  # NaN for inf/NaN: never rounds up, down is x itself
     u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
     up = (u < frac).to(torch.float32).mul_(spacing).mul_(torch.sign(x))
-    out.copy_(down.add_(up))
+    down.add_(up)
+    return down.to(dtype) if out is None else out.copy_(down)
 
 
 def split_compensated(
@@ -170,8 +173,10 @@ def merge_compensated(low: torch.Tensor, compensation: torch.Tensor, out: torch.
         raise TypeError(f"expected a bf16/fp16 tensor and an int16 compensation, got {low.dtype}, {compensation.dtype}")
     with torch.no_grad():
         if low.dtype == torch.bfloat16:
+            # The upcast is the top half of the bits; the remainder fills the low half.
             # split_compensated stores 0 beside inf and NaN, so they come back unchanged.
-            value = low.view(torch.int16).to(torch.int32).mul_(65536).add_(compensation).view(torch.float32)
+            value = low.float()
+            value.view(torch.int32).add_(compensation)
         else:
             lowf = low.float()
             exponent = _spacing_exponent(lowf.masked_fill(~torch.isfinite(lowf), 1.0))

@@ -85,10 +85,11 @@ def test_adding_1e3_to_one_100000_times():
     near = torch.ones(1, dtype=BF16)
     sr = torch.ones(256, dtype=BF16)  # one run's spread is ~6% at 101 (p=0.002 jumps of 0.5): average 256
     kahan, comp = torch.ones(2, dtype=BF16), torch.zeros(2, dtype=torch.int16)
-    for _ in range(100_000):
-        near = near.float().add_(1e-3).to(BF16)
-        sr = stochastic_round(sr.float().add_(1e-3), BF16, gen, inplace=True)
-        compensated_add_(kahan, comp, 1e-3)
+    with torch.inference_mode():  # 100,000 sequential small calls: dispatch overhead is the cost
+        for _ in range(100_000):
+            near = near.float().add_(1e-3).to(BF16)
+            sr = stochastic_round(sr.float().add_(1e-3), BF16, gen, inplace=True)
+            compensated_add_(kahan, comp, 1e-3)
     assert near.item() == 1.0
     assert abs(sr.float().mean().item() - 101.0) / 101.0 < 0.01
     assert sr.float().std().item() > 1.0  # every element rounded at random, none stalled
@@ -390,15 +391,15 @@ def test_digits_o3_stochastic_and_kahan_match_o2_and_plain_o3_stalls_at_a_small_
     import train_masterless as tm
 
     data = tm.load_digits()
-    o2 = tm.train_digits("O2", data, lr=1e-3, epochs=15)
+    o2 = tm.train_digits("O2", data, lr=1e-3, epochs=10)
     assert o2.metric >= 95.0
     for setup in ("O3+stochastic", "O3+kahan"):
-        run = tm.train_digits(setup, data, lr=1e-3, epochs=15)
+        run = tm.train_digits(setup, data, lr=1e-3, epochs=10)
         assert abs(run.metric - o2.metric) <= 0.5, (run, o2)
     # At lr 1e-4 most Adam updates are under half a bf16 ulp: plain O3 drops them, the others keep them.
     with torch.no_grad():
         start = F.cross_entropy(tm.digits_mlp()(data[0]), data[1]).item()
-    small = {s: tm.train_digits(s, data, lr=1e-4, epochs=8) for s in ("O2", "O3", "O3+stochastic", "O3+kahan")}
+    small = {s: tm.train_digits(s, data, lr=1e-4, epochs=6) for s in ("O2", "O3", "O3+stochastic", "O3+kahan")}
     progress = {s: start - r.train_loss for s, r in small.items()}
     assert progress["O3"] < 0.3 * progress["O2"], small  # stalled: under a third of O2's progress
     assert small["O3"].metric < small["O2"].metric - 20, small
@@ -411,15 +412,15 @@ def test_language_model_o3_stochastic_and_kahan_reach_o2_loss():
     import train_masterless as tm
 
     data = tm.lm_data()
-    o2 = tm.train_lm("O2", data, lr=3e-3, steps=300)
+    o2 = tm.train_lm("O2", data, lr=3e-3, steps=200)
     for setup, state_dtype in (("O3+stochastic", None), ("O3+kahan", BF16)):
-        run = tm.train_lm(setup, data, lr=3e-3, steps=300, state_dtype=state_dtype)
+        run = tm.train_lm(setup, data, lr=3e-3, steps=200, state_dtype=state_dtype)
         assert abs(run.metric - o2.metric) <= 0.01 * o2.metric, (run, o2)
     # At lr 1e-4 plain O3 drops most updates: under half of O2's progress from the initial loss.
     with torch.no_grad():
         torch.manual_seed(0)
         start = F.cross_entropy(tm.TrigramLM()(data[2]), data[3]).item()
-    small = {s: tm.train_lm(s, data, lr=1e-4, steps=300) for s in ("O2", "O3", "O3+stochastic")}
+    small = {s: tm.train_lm(s, data, lr=1e-4, steps=200) for s in ("O2", "O3", "O3+stochastic")}
     progress = {s: start - r.metric for s, r in small.items()}
     assert progress["O3"] < 0.5 * progress["O2"], small
     assert abs(progress["O3+stochastic"] - progress["O2"]) <= 0.02 * progress["O2"], small
