@@ -50,16 +50,21 @@ def _check(x: torch.Tensor, dtype: torch.dtype) -> None:
 def random_uint16(numel: int, generator: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
     """``numel`` uniformly random integers in ``[0, 65536)``, as int32, drawn from ``generator``.
 
-    Large draws come as full-range int64 words, two values per word, masked:
-    about 3x cheaper than ``torch.randint`` on a CPU; small ones (where the
-    call count is the cost) from one ``randint``.
+    Large draws come as full-range int64 words, each split into four 16-bit
+    values: the generator (the cost, on a CPU) runs a quarter as often as
+    ``torch.randint`` would. Small ones, where the call count is the cost,
+    come from one ``randint``.
     """
     if numel < 4096:
         return torch.randint(0, 65536, (numel,), generator=generator, device=device, dtype=torch.int32)
-    words = torch.empty((numel + 1) // 2, dtype=torch.int64, device=device)
-    words.random_(-(2**63), None, generator=generator)
-    bits = words.view(torch.int32)
-    return (bits if bits.numel() == numel else bits[:numel]).bitwise_and_(0xFFFF)
+    half = -(-numel // 4) * 2  # even, so the int64 words below start 8-byte aligned
+    out = torch.empty(2 * half, dtype=torch.int32, device=device)
+    low, high = out[:half], out[half:]
+    high.view(torch.int64).random_(-(2**63), None, generator=generator)  # 32 random bits per int32
+    torch.bitwise_right_shift(high, 16, out=low)  # the top 16 bits (arithmetic shift; masked next)
+    low.bitwise_and_(0xFFFF)
+    high.bitwise_and_(0xFFFF)
+    return out[:numel]
 
 
 def stochastic_round(
