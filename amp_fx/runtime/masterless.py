@@ -298,10 +298,12 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             # Round back even if the step raised, so the module never keeps fp32 scratch.
             for p, low, grad in staged:
                 if p.dtype != low.dtype:
-                    self._round_into(p.data, low, self._names[id(p)])
+                    name = self._names[id(p)]
+                    self._round_into(p.data, low, name)
                     p.data = low
                     p.grad = grad
-                    self._versions[self._names[id(p)]] = p._version
+                    if name in self._compensation:
+                        self._versions[name] = p._version  # our own write: the compensation matches it
                 self._downcast_state(p)
 
     def _upcast_param(self, p: torch.Tensor) -> torch.Tensor:
