@@ -9,6 +9,7 @@ parameters become the master weights (``converted.amp_fx_masters``).
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -16,9 +17,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from amp_fx import tables
 from amp_fx.config import AmpConfig, make_config
 from amp_fx.errors import AlreadyConvertedError
 from amp_fx.graph_module import AmpGraphModule
+from amp_fx.op_keys import CAST_OPS, canonical_op
 from amp_fx.pass_manager import PassContext
 from amp_fx.pipeline import rewrite_graph
 from amp_fx.policy import Policy
@@ -39,6 +42,26 @@ def _check_model(model: Any) -> None:
                 f"the model has parameters on the meta device ({name!r} is one: no data to cast). "
                 "Materialise it first (model.to_empty(device=...) and load its weights), then convert."
             )
+
+
+def _check_inputs(example_inputs: Any, example_kwarg_inputs: Any) -> None:
+    """Refuse example inputs in a shape convert() would misread, before any work is done."""
+    if isinstance(example_inputs, (torch.Tensor, Mapping)):
+        what = "a tensor" if isinstance(example_inputs, torch.Tensor) else "a dict"
+        fix = "example_inputs=(x,)" if isinstance(example_inputs, torch.Tensor) else "example_kwarg_inputs={...}"
+        raise TypeError(f"example_inputs takes a tuple of the positional inputs, got {what}: write {fix}")
+    if example_kwarg_inputs is not None and not isinstance(example_kwarg_inputs, Mapping):
+        raise TypeError(f"example_kwarg_inputs takes a dict of keyword inputs, got {type(example_kwarg_inputs).__name__}")
+
+
+def _check_leaf_names(leaf_modules: Sequence[Any], module_names: Sequence[str]) -> None:
+    """A leaf module named by a string must exist in the model (a typo would silently trace through it)."""
+    for leaf in leaf_modules:
+        if isinstance(leaf, str) and leaf not in module_names:
+            close = difflib.get_close_matches(leaf, [n for n in module_names if n], n=3, cutoff=0.5)
+            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(f"leaf_modules names {leaf!r}, which the model does not have.{hint} "
+                             "Names are those of model.named_modules(); module types are accepted too.")
 
 
 def _tensor_notes(model: nn.Module) -> list[str]:
@@ -153,6 +176,7 @@ def convert(
     decision and why) and ``amp_config``.
     """
     _check_model(model)
+    _check_inputs(example_inputs, example_kwarg_inputs)
     config = make_config(
         level, dtype=dtype, keep_batchnorm_fp32=keep_batchnorm_fp32, cast_model_outputs=cast_model_outputs,
         on_unknown_op=on_unknown_op, allow_banned=allow_banned, minimize_casts=minimize_casts, pad_gemm=pad_gemm,
@@ -160,7 +184,9 @@ def convert(
     policy = Policy.coerce(policy)
     if isinstance(model, AmpGraphModule) and hasattr(model, "amp_config"):
         return _reconvert(model, config)
-    policy.validate_against([name for name, _ in model.named_modules()])
+    module_names = [name for name, _ in model.named_modules()]
+    policy.validate_against(module_names)
+    _check_leaf_names(leaf_modules, module_names)
 
     owns_params = config.cast_params
     source = copy.deepcopy(model) if owns_params else model
@@ -171,11 +197,13 @@ def convert(
         module_class=AmpGraphModule, dynamic_shapes=dynamic_shapes,
     )
     _copy_missing_state(gm, source)
+    policy.check_op_names((canonical_op(n, gm) for n in gm.graph.nodes if n.op.startswith("call")), set().union(*tables.all_tables().values(), CAST_OPS))
     ctx = PassContext(config=config, policy=policy,
                       example_inputs=tuple(example_inputs) if example_inputs is not None else None,
                       example_kwarg_inputs=dict(example_kwarg_inputs) if example_kwarg_inputs else None,
                       route=route)
     notes = _tensor_notes(model)
+    notes.extend(getattr(gm, "amp_fx_trace_notes", ()))  # what the export route fixed or kept dynamic
     if route == "torch.export":
         notes.append("traced with torch.export: the module's train/eval mode at conversion is part of the graph")
     gm, report = rewrite_graph(gm, ctx, own_params=owns_params, notes=notes)

@@ -36,6 +36,8 @@ class CliError(Exception):
 
 
 # -- factory loading -----------------------------------------------------------------
+_DRAW_EXTENSIONS = (".svg", ".html", ".htm", ".dot", ".gv")  # what amp_fx.draw writes
+
 def _import_module(name: str) -> Any:
     if name.endswith(".py") or os.sep in name or "/" in name:
         path = os.path.abspath(name)
@@ -139,6 +141,9 @@ def _inspect(args: argparse.Namespace) -> int:
     from amp_fx.errors import AmpError
     from amp_fx.tracing import AmpTraceError
 
+    if args.out and os.path.splitext(args.out)[1].lower() not in _DRAW_EXTENSIONS:
+        raise CliError(f"--out {args.out!r}: amp_fx draws .svg, .html or .dot files (a .png needs Graphviz: "
+                       f"write graph.dot, then run `dot -Tpng graph.dot -o graph.png`)")
     model, inputs = _build_model(args)
     policy = None
     if args.policy:
@@ -168,13 +173,17 @@ def _inspect(args: argparse.Namespace) -> int:
 def _tables(args: argparse.Namespace) -> int:
     from amp_fx import tables
 
+    from amp_fx.op_keys import op_name_of
+
     everything = tables.all_tables()
     if args.op:
-        category = tables.table_of(args.op)
+        name = op_name_of(args.op)
+        spelled = args.op if name == args.op else f"{args.op} ({name})"
+        category = tables.table_of(name)
         if category == "unknown":
-            print(f"{args.op}: in no table -- it follows its input and is counted as unknown in the report")
+            print(f"{spelled}: in no table -- it follows its input and is counted as unknown in the report")
         else:
-            print(f"{args.op}: {category} -- {everything[category][args.op]}")
+            print(f"{spelled}: {category} -- {everything[category][name]}")
         return 0
     if args.json:
         print(json.dumps({k: dict(v) for k, v in everything.items()}, indent=1))

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["canonical_op", "is_inplace", "CAST_OPS", "module_op_name"]
+__all__ = ["canonical_op", "is_inplace", "CAST_OPS", "module_op_name", "op_name_of"]
 
 # Ops that are themselves casts: they are never decided, only read.
 CAST_OPS = frozenset({"to", "type_as", "float", "half", "bfloat16", "double", "type", "_to_copy", "amp_cast"})
@@ -214,6 +214,12 @@ def _function_name(target: Callable, args: tuple) -> tuple[str, bool]:
     raw = getattr(target, "__name__", None) or type(target).__name__
     name, inplace = _strip_inplace(raw)
     return _PY_ALIASES.get(name, name), inplace
+
+
+def op_name_of(spelling: str) -> str:
+    """The canonical name of an op however a user spells it: ``"torch.matmul"``, ``"F.softmax"``, ``"x.softmax_"``, ``"softmax"``."""
+    name, _ = _strip_inplace(spelling.strip().rsplit(".", 1)[-1])
+    return _ATEN_ALIASES.get(name, _PY_ALIASES.get(name, name))
 
 
 def _resolve(node: fx.Node, root: Optional[nn.Module]) -> tuple[Optional[str], bool]:

@@ -1,14 +1,19 @@
 """User overrides of the op tables: by module name, module type, or op.
 
-Precedence, highest first (resolved once per node by :meth:`Policy.decide`):
+Precedence, highest first (resolved once per node by :meth:`Policy.decide`),
+as ``QConfigMapping`` resolves it:
 
-1. module name: exact names first, then glob / regex patterns in the order
-   they were registered.  A name matches a node when it names the module the
-   node came from *or any module enclosing it*, so pinning ``"decoder.head"``
-   pins every op inside ``decoder.head``.
-2. module type (``nn.LayerNorm``), matched against every enclosing module.
+1. module name: the most specific name wins.  The enclosing modules are tried
+   innermost first; for each, an exact name rule, then the glob / regex rules
+   that match it.  So ``{"module:dec": "low", "module:dec.head": "fp32"}``
+   runs ``dec.head`` in fp32 and the rest of ``dec`` low.  A name rule covers
+   every op inside its module.
+2. module type (``nn.LayerNorm``), innermost enclosing module first.
 3. op: a canonical name (``"softmax"``) or the callable itself (``torch.softmax``).
 4. the level's tables (not handled here).
+
+Setting a key again overrides its decision (the later call wins); among
+patterns that match the same module, the one set last wins.
 
 Build one with the methods, or from a dict::
 
@@ -50,6 +55,27 @@ class PolicyRule:
         return f"policy {self.kind} {key!r} -> {self.decision}"
 
 
+def _enclosing_names(stack: list[tuple[str, Any]]) -> list[str]:
+    """Names of the modules around a node, most specific first.
+
+    The stack holds the modules that were *called*; a container that is only
+    indexed (``self.blocks[0]``, ``self.heads["a"]``) encloses them too, so
+    every dotted prefix of a name counts, longest first.
+    """
+    names: dict[str, None] = {}
+    for name, _ in stack:
+        atoms = name.split(".") if name else []
+        for end in range(len(atoms), 0, -1):
+            names.setdefault(".".join(atoms[:end]), None)
+    return list(names)
+
+
+def _same_key(a: Any, b: Any) -> bool:
+    if isinstance(a, re.Pattern) and isinstance(b, re.Pattern):
+        return a.pattern == b.pattern
+    return a is b if callable(a) and not isinstance(a, str) else a == b
+
+
 def _check_decision(decision: str) -> str:
     if decision not in DECISIONS:
         raise ValueError(f"unknown policy decision {decision!r}; use one of {DECISIONS}")
@@ -63,30 +89,32 @@ class Policy:
     rules: list[PolicyRule] = field(default_factory=list)
 
     # -- building ---------------------------------------------------------
+    def _set(self, rule: PolicyRule) -> "Policy":
+        """Add ``rule``; a rule for the same key is replaced (setting a key again overrides it)."""
+        same = lambda other: other.kind == rule.kind and _same_key(other.key, rule.key)  # noqa: E731
+        self.rules = [other for other in self.rules if not same(other)] + [rule]
+        return self
+
     def set_module_name(self, name: str, decision: str) -> "Policy":
         """Pin every op inside the module ``name``; ``*``/``?``/``[`` make it a glob."""
         kind = "module_glob" if any(ch in name for ch in "*?[") else "module"
-        self.rules.append(PolicyRule(kind, name, _check_decision(decision)))
-        return self
+        return self._set(PolicyRule(kind, name, _check_decision(decision)))
 
     def set_module_name_regex(self, pattern: str, decision: str) -> "Policy":
         """Pin every op inside modules whose full name matches the regex ``pattern``."""
-        self.rules.append(PolicyRule("module_re", re.compile(pattern), _check_decision(decision)))
-        return self
+        return self._set(PolicyRule("module_re", re.compile(pattern), _check_decision(decision)))
 
     def set_module_type(self, module_type: type, decision: str) -> "Policy":
         """Pin every op inside modules of ``module_type`` (subclasses included)."""
         if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
             raise TypeError(f"set_module_type expects an nn.Module subclass, got {module_type!r}")
-        self.rules.append(PolicyRule("type", module_type, _check_decision(decision)))
-        return self
+        return self._set(PolicyRule("type", module_type, _check_decision(decision)))
 
     def set_op(self, op: Union[str, Callable], decision: str) -> "Policy":
         """Decide an op by canonical name or by the callable itself (adds custom ops to a table)."""
         if not (isinstance(op, str) or callable(op)):
             raise TypeError(f"set_op expects a canonical op name or a callable, got {op!r}")
-        self.rules.append(PolicyRule("op", op, _check_decision(decision)))
-        return self
+        return self._set(PolicyRule("op", op, _check_decision(decision)))
 
     @classmethod
     def from_dict(cls, mapping: Mapping[Any, str]) -> "Policy":
@@ -153,19 +181,35 @@ class Policy:
         if not self.rules:
             return None
         stack = list(module_stack)
-        names = [name for name, _ in stack]
-        for rule in self.rules:
-            if rule.kind == "module" and rule.key in names:
-                return rule
-        for rule in self.rules:
-            if rule.kind == "module_glob" and any(fnmatch.fnmatchcase(n, rule.key) for n in names):
-                return rule
-            if rule.kind == "module_re" and any(rule.key.search(n) for n in names):
-                return rule
-        for rule in self.rules:
-            if rule.kind == "type" and any(issubclass(t, rule.key) for _, t in stack if isinstance(t, type)):
-                return rule
-        for rule in self.rules:
+        latest_first = self.rules[::-1]
+        for name in _enclosing_names(stack):  # the most specific name first
+            for rule in latest_first:
+                if rule.kind == "module" and rule.key == name:
+                    return rule
+            for rule in latest_first:
+                if (rule.kind == "module_glob" and fnmatch.fnmatchcase(name, rule.key)) or \
+                        (rule.kind == "module_re" and rule.key.search(name)):
+                    return rule
+        for _, module_type in stack:
+            for rule in latest_first:
+                if rule.kind == "type" and isinstance(module_type, type) and issubclass(module_type, rule.key):
+                    return rule
+        for rule in latest_first:
             if rule.kind == "op" and (rule.key == op if isinstance(rule.key, str) else rule.key is target):
                 return rule
         return None
+
+    def check_op_names(self, graph_ops: Iterable[str], known: Iterable[str]) -> None:
+        """Raise for an ``op:`` name that is neither in this graph nor a known op (a misspelling), with close matches."""
+        present = {op for op in graph_ops if op}
+        candidates = sorted(present | set(known))
+        for rule in self.rules:
+            if rule.kind != "op" or not isinstance(rule.key, str) or rule.key in present or rule.key in candidates:
+                continue
+            close = difflib.get_close_matches(rule.key, candidates, n=3, cutoff=0.6)
+            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(
+                f"policy names op {rule.key!r}, which is in no amp_fx table and not in this model's graph.{hint} "
+                "Op names are canonical ATen names (see `python -m amp_fx tables`), or a custom "
+                "autograd Function's class name."
+            )

@@ -95,3 +95,45 @@ def test_unknown_module_name_is_an_error_with_close_matches():
 def test_bad_policies_are_refused(policy, message):
     with pytest.raises((ValueError, TypeError), match=message):
         amp_fx.convert(Net(), "O1", policy=policy)
+
+
+class Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dec = nn.ModuleDict({"body": nn.Linear(8, 8), "head": nn.Linear(8, 4)})
+
+    def forward(self, x):
+        return self.dec["head"](self.dec["body"](x))
+
+
+@pytest.mark.parametrize("order", ["outer first", "inner first"])
+def test_the_most_specific_module_name_wins_whatever_the_order(order):
+    """QConfigMapping's rule: dec.head's own rule beats dec's, registered before or after it."""
+    rules = [("dec", "fp32"), ("dec.head", "low")]
+    policy = amp_fx.Policy()
+    for name, decision in rules if order == "outer first" else rules[::-1]:
+        policy.set_module_name(name, decision)
+    gm = amp_fx.convert(Nested(), "O1", policy=policy)
+    assert _decisions(gm) == {"dec.body": "fp32", "dec.head": "low"}
+
+
+def test_an_exact_name_beats_a_glob_on_the_same_module_and_an_inner_glob_beats_an_outer_name():
+    gm = amp_fx.convert(Nested(), "O1", policy={"module:dec.*": "fp32", "module:dec.head": "low"})
+    assert _decisions(gm) == {"dec.body": "fp32", "dec.head": "low"}
+    inner_glob = amp_fx.convert(Nested(), "O1", policy={"module:dec": "low", "module:*.head": "fp32"})
+    assert _decisions(inner_glob) == {"dec.body": "low", "dec.head": "fp32"}
+
+
+def test_setting_a_key_again_overrides_it():
+    policy = amp_fx.Policy().set_module_name("dec.head", "fp32").set_module_name("dec.head", "low").set_op("linear", "fp32")
+    policy.set_op("linear", "follow")
+    assert [(r.key, r.decision) for r in policy.rules] == [("dec.head", "low"), ("linear", "follow")]
+    gm = amp_fx.convert(Nested(), "O1", policy=policy)
+    assert _decisions(gm) == {"dec.body": "follow", "dec.head": "low"}
+
+
+def test_a_misspelt_op_name_is_refused_with_close_matches():
+    with pytest.raises(ValueError, match=r"op 'sofmax'.*Did you mean 'softmax'"):
+        amp_fx.convert(Net(), "O1", policy={"op:sofmax": "low"})
+    # A known op the model does not call is fine: a policy may be shared between models.
+    amp_fx.convert(Nested(), "O1", policy={"op:softmax": "low"})

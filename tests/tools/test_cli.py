@@ -49,6 +49,7 @@ def test_inspect_bad_shape_in_a_subprocess_names_the_problem():
     (["examples/missing.py:build"], "no such file"),
     (["examples.inspect_factory:build", "--input-shape", "2,x,8"], "not a comma-separated list of positive integers"),
     (["examples.inspect_factory:build"], "give the model's input shape"),
+    (["examples.inspect_factory:build", "--input-shape", "2,3,8,8", "--out", "graph.png"], "draws .svg, .html or .dot"),
 ])
 def test_inspect_errors_name_the_problem(args, message, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
@@ -67,5 +68,7 @@ def test_tables_prints_every_group_with_its_reason(capsys):
     assert main(["tables", "--op", "softmax"]) == 0
     assert capsys.readouterr().out.strip() == f"softmax: fp32 -- {tables.FP32['softmax']}"
     assert main(["tables", "--op", "my_op"]) == 0 and "in no table" in capsys.readouterr().out
+    assert main(["tables", "--op", "torch.matmul"]) == 0
+    assert capsys.readouterr().out.strip() == f"torch.matmul (matmul): low -- {tables.LOW['matmul']}"
     assert main(["tables", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["low"]["linear"] == tables.LOW["linear"]
