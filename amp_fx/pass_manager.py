@@ -66,7 +66,7 @@ class PassResult:
 AmpPass = Callable[[fx.GraphModule, PassContext], PassResult]
 
 
-class PassError(RuntimeError):
+class PassError(AmpError, RuntimeError):
     """A pass failed; the message names the pass."""
 
 
@@ -95,7 +95,7 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[AmpPass]) 
                 # large graph: only when someone reads it before the end.
                 if os.environ.get("AMP_FX_DEBUG_DIR"):
                     gm.recompile()
-        except (PassError, AmpError):
+        except AmpError:  # PassError included: already names its pass
             raise
         except Exception as error:
             raise PassError(f"amp_fx pass {name!r} failed: {type(error).__name__}: {error}") from error

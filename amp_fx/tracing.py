@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from amp_fx import regions, regions_export
 from amp_fx.casts import HELPERS
-from amp_fx.errors import UnsupportedConstructError
+from amp_fx.errors import AmpError, UnsupportedConstructError
 from amp_fx.export_guards import watched_export
 from amp_fx.train_flags import FROZEN_ATTR, TrainingReads
 
@@ -51,7 +51,7 @@ _AMP_FX_DIR = os.path.dirname(__file__)
 _TRACE_LOCK = threading.RLock()
 
 
-class AmpTraceError(RuntimeError):
+class AmpTraceError(AmpError, RuntimeError):
     """The model could not be turned into a graph; the message says where and what to do."""
 
 
