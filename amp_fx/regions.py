@@ -34,14 +34,16 @@ import torch.fx as fx
 from torch.fx.graph import _register_custom_builtin
 from torch.fx.proxy import Proxy
 
+from amp_fx import meta
+
 __all__ = [
     "grad_enter", "grad_exit", "inference_enter", "inference_exit", "autocast_enter", "autocast_exit",
     "Region", "marker_role", "region_stacks", "recording", "autocast_rule",
     "region_dtype", "separate_grad_reads", "LOW_DTYPE_KEY",
 ]
 
-# meta key of a node's own low dtype (an autocast(dtype=) region); amp_fx.meta.LOW_DTYPE
-LOW_DTYPE_KEY = "amp_fx.low_dtype"
+# a node's own low dtype (an autocast(dtype=) region), read by the dtype analysis
+LOW_DTYPE_KEY = meta.LOW_DTYPE
 
 # (thread id, tracer) while AmpTracer records on that thread; None otherwise.
 _RECORDING: Optional[tuple[int, Any]] = None
