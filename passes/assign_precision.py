@@ -25,7 +25,7 @@ import logging
 
 import torch.fx as fx
 
-from amp_fx import tables
+from amp_fx import regions, tables
 from amp_fx.declared_precision import declared_precision, policy_target
 from amp_fx.errors import BannedOpError, UnknownOpError
 from amp_fx.op_keys import CAST_OPS
@@ -96,9 +96,14 @@ def _decide(node: fx.Node, ctx: PassContext) -> tuple[str, str, str]:
         if config.cast_model_outputs is not None:
             return "exit", f"outputs cast to {str(config.cast_model_outputs).replace('torch.', '')} (cast_model_outputs)", "level"
         return "none", "graph output", "level"
+    role = regions.marker_role(node)
+    if role is not None:
+        return "none", f"the model's {role[1]} region ({role[0]})", "grad-mode" if role[1] == "grad" else "autocast"
     op = node.meta.get("amp_fx.op") or str(node.target)
     if op in CAST_OPS:
         return "cast", "explicit cast", "model"
+    if op in tables.EXPORT_CHECKS:
+        return "none", "torch.export check: computes nothing, kept true to the rewritten dtypes", "level"
     rule = ctx.policy.decide(op, policy_target(node), node.meta.get("amp_fx.module_stack") or [])
     if rule is not None:
         if op in tables.BANNED and rule.decision != "fp32" and not config.allow_banned:
