@@ -115,11 +115,14 @@ def input_target(node: fx.Node, decision: str, low: torch.dtype, values: Mapping
 
     A node may carry its own low dtype (``meta.LOW_DTYPE``: a model's
     ``torch.autocast(dtype=...)`` region asks for another low dtype there).
+    An fp32 node marked ``meta.FUSED`` (``passes/fuse_precision``) runs a
+    kernel that computes in fp32 from its low input and fp32 weights, which
+    already arrive so: it takes its inputs as they are.
     """
     if decision == "low":
         return node.meta.get(meta.LOW_DTYPE) or low
     if decision == "fp32":
-        return torch.float32
+        return None if node.meta.get(meta.FUSED) else torch.float32
     if decision == "promote":
         return widest([values[n].float_dtype for n in dict.fromkeys(promoting_inputs(node, values))])
     return None

@@ -144,6 +144,7 @@ def convert(
     allow_banned: bool = False,
     minimize_casts: Optional[bool] = None,
     pad_gemm: Union[None, str, bool] = None,
+    fuse_precision: Optional[bool] = None,
     dynamic_shapes: Any = None,
 ) -> AmpGraphModule:
     """Return ``model`` rewritten for mixed precision at Apex level ``level`` (O0-O3).
@@ -162,6 +163,9 @@ def convert(
             ``{"module:decoder.head": "fp32", "op:softmax": "low"}``).
         keep_batchnorm_fp32, cast_model_outputs, minimize_casts, pad_gemm:
             override the level's preset.
+        fuse_precision: run fp32 norms fed and read in low precision as one
+            mixed-dtype kernel where that keeps fp32's precision (default True;
+            :mod:`amp_fx.passes.fuse_precision`).
         leaf_modules: module types or names to keep whole (not traced into).
         on_unknown_op: ``"follow"`` (default), ``"fp32"`` or ``"error"`` for
             ops in no table.
@@ -180,6 +184,7 @@ def convert(
     config = make_config(
         level, dtype=dtype, keep_batchnorm_fp32=keep_batchnorm_fp32, cast_model_outputs=cast_model_outputs,
         on_unknown_op=on_unknown_op, allow_banned=allow_banned, minimize_casts=minimize_casts, pad_gemm=pad_gemm,
+        fuse_precision=fuse_precision,
     ).with_dtype_for(model)
     policy = Policy.coerce(policy)
     if isinstance(model, AmpGraphModule) and hasattr(model, "amp_config"):

@@ -89,6 +89,7 @@ class AmpConfig:
     allow_banned: bool = False
     minimize_casts: bool = False
     pad_gemm: Union[str, bool] = "auto"
+    fuse_precision: bool = True  # fp32 norms as fused mixed-dtype kernels where precision is kept (passes/fuse_precision)
 
     @property
     def low_dtype(self) -> torch.dtype:

@@ -112,6 +112,8 @@ def rule_value(node: fx.Node, decision: str, inputs: Mapping[fx.Node, ValueInfo]
     explicit = explicit_dtype(node)
     if explicit is not None:
         return ValueInfo(True, True, explicit)
+    if decision == "fp32" and node.meta.get(meta.FUSED) and first_info is not None:
+        return ValueInfo(True, True, first_info.float_dtype)  # a fused norm returns its input's (low) dtype
     reads_float64 = any(i.float_dtype == torch.float64 for i in inputs.values() if may_be_float_tensor(i))
     if decision in ("low", "fp32") and target is not None and not reads_float64:
         if op in _FLOAT_RESULT:

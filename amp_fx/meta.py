@@ -29,6 +29,7 @@ key                 written by                   holds
 ``WEIGHT_CAST``     insert_casts                 the cast reads a parameter
 ``PLACED_FROM``     minimize_casts               the paint before the min-cut moved the node
 ``PADDED``          pad_gemm                     how a GEMM was padded
+``FUSED``           fuse_precision               an fp32 node runs as a fused mixed-dtype kernel
 ==================  ===========================  ============================================
 """
 
@@ -44,7 +45,7 @@ from torch.utils import _pytree as pytree
 __all__ = [
     "OP", "INPLACE", "MODULE_PATH", "MODULE_STACK", "SOURCE", "PARAM", "DECISION", "REASON", "RULE", "LOW_DTYPE",
     "VALUE", "IS_TENSOR", "IS_FLOAT", "FLOAT_DTYPE", "SHAPE", "CONTAINER", "ORIG_DTYPE", "UNKNOWN",
-    "INSERTED", "CAST_OF", "WEIGHT_CAST", "PLACED_FROM", "PADDED",
+    "INSERTED", "CAST_OF", "WEIGHT_CAST", "PLACED_FROM", "PADDED", "FUSED",
     "float_dtype", "example_value", "ValueInfo", "may_be_float_tensor",
 ]
 
@@ -71,6 +72,7 @@ CAST_OF = "amp_fx.cast_of"
 WEIGHT_CAST = "amp_fx.weight_cast"
 PLACED_FROM = "amp_fx.placed_from"
 PADDED = "amp_fx.padded"
+FUSED = "amp_fx.fused"
 
 
 def float_dtype(node: Any) -> Optional[torch.dtype]:

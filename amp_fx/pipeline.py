@@ -15,6 +15,7 @@ from amp_fx.passes.assign_precision import assign_precision
 from amp_fx.passes.cast_params import cast_params
 from amp_fx.passes.dedupe_casts import dedupe_casts
 from amp_fx.passes.fold_casts import fold_casts
+from amp_fx.passes.fuse_precision import fuse_precision
 from amp_fx.passes.honour_autocast_regions import honour_autocast_regions
 from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.minimize_casts import minimize_casts
@@ -41,6 +42,9 @@ def build_pipeline(config: AmpConfig, *, own_params: bool) -> list[AmpPass]:
     pipeline.append(analyse_dtypes)
     if config.minimize_casts:
         pipeline.append(minimize_casts)
+    if config.fuse_precision:
+        # On the final paint: fused norms need no casts, so insert_casts writes none for them.
+        pipeline.append(fuse_precision)
     pipeline += [insert_casts, dedupe_casts, fold_casts]
     if config.pad_gemm is not False:
         # "auto" pads on CUDA only; the pass finds the device and says so in the report.

@@ -21,12 +21,13 @@ from amp_fx.passes.assign_precision import assign_precision
 from amp_fx.passes.cast_params import cast_params
 from amp_fx.passes.dedupe_casts import dedupe_casts
 from amp_fx.passes.fold_casts import fold_casts
+from amp_fx.passes.fuse_precision import fuse_precision
 from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.propagate_meta import propagate_meta
 from amp_fx.policy import Policy
 from amp_fx.tracing import trace_model
 
-PIPELINE = [propagate_meta, assign_precision, cast_params, analyse_dtypes, insert_casts, dedupe_casts, fold_casts]
+PIPELINE = [propagate_meta, assign_precision, cast_params, analyse_dtypes, fuse_precision, insert_casts, dedupe_casts, fold_casts]
 
 
 def prepare(model: torch.nn.Module, upto: Callable, level: str = "O1", example_inputs=None, policy=None, **options):

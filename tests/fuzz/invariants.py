@@ -246,7 +246,9 @@ def _check_runtime_dtypes(gm: fx.GraphModule, recorder: Recorder, low: torch.dty
         if decision == "low":
             assert set(seen) <= {low, wide}, f"{node.name} ({node.meta.get('amp_fx.op')}) is low but reads {seen}"
         elif decision == "fp32":
-            assert set(seen) <= {torch.float32, wide}, f"{node.name} ({node.meta.get('amp_fx.op')}) is fp32 but reads {seen}"
+            # A fused norm (passes/fuse_precision) computes in fp32 from its low input and fp32 weights.
+            allowed = {torch.float32, wide} | ({low} if node.meta.get("amp_fx.fused") else set())
+            assert set(seen) <= allowed, f"{node.name} ({node.meta.get('amp_fx.op')}) is fp32 but reads {seen}"
         elif decision == "promote":
             assert len(set(seen)) <= 1, f"{node.name} ({node.meta.get('amp_fx.op')}) promotes but reads {seen}"
 

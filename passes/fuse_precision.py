@@ -1,0 +1,186 @@
+"""Rewrite: run fp32 norms as mixed-dtype kernels where the kernel keeps fp32 precision without the casts.
+
+An fp32 decision normally costs a cast of the low input up, the fp32 op, and
+a cast of its result back down for the low ops that read it.  Some CPU
+kernels take a low-precision input with fp32 weights, compute their
+statistics and affine transform in fp32, and round once to the input's dtype.
+Where every reader of the result wants it low anyway, that is the cast form
+rounded where the cast back would round it: the same values, without two
+cast kernels forward and two backward.
+
+A node is fused when (checked on the dtype analysis of the final paint):
+
+1. its decision is ``fp32`` and its op has a verified fused form on this
+   device (:data:`FUSED_FORMS`; CPU only: no CUDA kernel was verified);
+2. its first input arrives in a low dtype, every other floating input (and a
+   leaf module's parameters and buffers) is fp32;
+3. every reader takes the result in that same low dtype (a ``low`` decision
+   of that dtype, or a view whose readers do): a reader that would compute
+   with an fp32 result keeps the cast form, since fusing would round its input.
+
+The node keeps its ``fp32`` decision (the report shows it with a "fused"
+reason) and is marked ``meta.FUSED``; :func:`amp_fx.analysis.input_target`
+then asks for its inputs as they arrive, and the analysis is re-run so every
+reader sees the low result.  ``insert_casts`` writes no cast for it.
+
+Which forms: each was measured against the cast form (``tests/passes/
+test_fuse_precision.py``): output within 1 low-dtype ulp, input, weight and
+bias gradients as precise as fp32's.  CPU ``layer_norm`` with fp32 weight and
+bias is *not* here: its backward accumulates the weight and bias gradients
+in the low dtype (5-16% relative error measured on 2048x1024 bf16, against
+1e-6 for the cast form); only a ``layer_norm`` without weight and bias is.
+``softmax``/``log_softmax``/``sum``/``mean``/``cumsum`` with
+``dtype=torch.float32`` cast their input inside the op on CPU (the same
+kernel as amp_fx's cast), and CPU losses on bf16 logits accumulate and
+return in bf16: neither saves anything without losing precision on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from amp_fx import meta, tables
+from amp_fx.analysis import analyse, input_target, node_inputs
+from amp_fx.pass_manager import PassContext, PassResult
+
+__all__ = ["fuse_precision", "FUSED_FORMS"]
+
+_LOW = (torch.bfloat16, torch.float16)
+# op -> (device types with a verified kernel, what the report says it does)
+FUSED_FORMS: dict[str, tuple[frozenset, str]] = {
+    "group_norm": (frozenset({"cpu"}), "group_norm"),
+    "batch_norm": (frozenset({"cpu"}), "batch_norm"),
+    "instance_norm": (frozenset({"cpu"}), "instance_norm"),
+    "layer_norm": (frozenset({"cpu"}), "layer_norm without weight and bias"),
+}
+
+
+def _device_types(gm: fx.GraphModule, node: fx.Node) -> set[str]:
+    """Device types of every tensor ``node`` reads whose value the conversion knows (fakes, parameters)."""
+    found: set[str] = set()
+    for value in node_inputs(node):
+        info = value.meta.get(meta.VALUE)
+        fake = getattr(info, "fake", None)
+        if isinstance(fake, torch.Tensor):
+            found.add(fake.device.type)
+        elif value.op == "get_attr":
+            attr = _attr(gm, str(value.target))
+            if isinstance(attr, torch.Tensor):
+                found.add(attr.device.type)
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        found |= {t.device.type for t in (*module.parameters(), *module.buffers())}
+    if not found:  # nothing it reads is known (no example inputs, no weights): where the model's tensors live
+        found = {t.device.type for t in (*gm.parameters(), *gm.buffers())}
+    return found
+
+
+def _attr(gm: fx.GraphModule, target: str) -> object:
+    value: object = gm
+    for atom in target.split("."):
+        value = getattr(value, atom, None)
+    return value
+
+
+def _weights_fp32(gm: fx.GraphModule, node: fx.Node, first: fx.Node, values: dict) -> bool:
+    """Every floating input but the first, and a leaf module's parameters and buffers, are known fp32 tensors."""
+    for value in node_inputs(node):
+        if value is first:
+            continue
+        info = values.get(value)
+        if info is None or (info.is_float is not False and info.float_dtype != torch.float32) or info.container:
+            return False
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        tensors = [t for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)) if t.is_floating_point()]
+        if any(t.dtype != torch.float32 for t in tensors):
+            return False
+    return True
+
+
+def _has_affine(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """True when a layer_norm has a weight or bias (CPU's fused backward is imprecise for them)."""
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        return any(True for _ in module.parameters(recurse=False))
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    bias = node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")
+    return weight is not None or bias is not None
+
+
+def _fusable(gm: fx.GraphModule, node: fx.Node, ctx: PassContext, values: dict) -> Optional[torch.dtype]:
+    """The low dtype ``node`` would run its fused form in, or None (see the module docstring)."""
+    op = node.meta.get(meta.OP)
+    if node.meta.get(meta.DECISION) != "fp32" or op not in FUSED_FORMS or node.meta.get(meta.INPLACE):
+        return None
+    if node.op not in ("call_function", "call_method", "call_module") or not node.args:
+        return None
+    first = node.args[0]
+    info = values.get(first) if isinstance(first, fx.Node) else None
+    if info is None or info.container or info.is_tensor is False or info.float_dtype not in _LOW:
+        return None
+    low = info.float_dtype
+    devices = _device_types(gm, node)
+    if not devices or not devices <= FUSED_FORMS[op][0]:
+        return None
+    if not _weights_fp32(gm, node, first, values) or not node.users:
+        return None
+    if op == "layer_norm" and _has_affine(gm, node):
+        return None
+    return low if _read_low(node, low, ctx, values) else None
+
+
+def _read_low(value: fx.Node, low: torch.dtype, ctx: PassContext, values: dict) -> bool:
+    """Every reader of ``value`` takes it in ``low``: a ``low`` op, a view or copy whose readers do, or a shape query."""
+    for user in value.users:
+        decision = user.meta.get(meta.DECISION, "follow")
+        if decision == "low" and input_target(user, decision, ctx.low, values) == low:
+            continue
+        info = values.get(user)
+        if info is not None and info.is_tensor is False and not info.container and user.op != "output":
+            continue  # x.size(), x.shape: no arithmetic on the values
+        moves_only = (user.meta.get(meta.OP) in tables.DATA_MOVEMENT and decision == "follow"
+                      and not user.meta.get(meta.INPLACE) and user.args and user.args[0] is value
+                      and user.op in ("call_function", "call_method")
+                      and not any(n is not value and values.get(n) is not None and values[n].is_float is not False
+                                  for n in node_inputs(user)))
+        if moves_only and _read_low(user, low, ctx, values):
+            continue
+        return False
+    return True
+
+
+def fuse_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Mark fp32 norms whose fused mixed-dtype kernel keeps their precision (see module docstring)."""
+    graph = gm.graph
+    if any(node.meta.get(meta.INSERTED) for node in graph.nodes):
+        return PassResult(gm, False, {"skipped": "the graph already has its casts (fuse_precision runs before insert_casts)"})
+    # Decide afresh: a mark left by an earlier run is not evidence.
+    stale = [node for node in graph.nodes if node.meta.pop(meta.FUSED, None)]
+    if stale or any(meta.VALUE not in node.meta for node in graph.nodes):
+        analyse(gm, ctx)
+    if not getattr(ctx.config, "fuse_precision", True):
+        return PassResult(gm, False, {"fused": 0, "skipped": "fuse_precision=False"})
+    values = {n: n.meta[meta.VALUE] for n in graph.nodes}
+    fused: list[str] = []
+    for node in graph.nodes:
+        low = _fusable(gm, node, ctx, values)
+        if low is None:
+            continue
+        name = str(low).replace("torch.", "")
+        node.meta[meta.FUSED] = FUSED_FORMS[node.meta[meta.OP]][1]
+        reason = node.meta.get(meta.REASON, "fp32")
+        node.meta[meta.REASON] = (f"{reason}; fused: computes in fp32 from its {name} input and fp32 weights, "
+                                  f"rounding once to {name} as the cast back would (no casts)")
+        fused.append(node.name)
+    if fused:
+        analyse(gm, ctx)  # readers see the low result
+    stats = {"fused": len(fused)}
+    if fused:
+        stats["report_lines"] = [f"{len(fused)} fp32 norm(s) fused (low input, fp32 weights, no casts): {', '.join(fused[:8])}"
+                                 + (f" and {len(fused) - 8} more" if len(fused) > 8 else "")]
+    # Marks and reasons are metadata: the code changes only when insert_casts writes (fewer) casts.
+    return PassResult(gm, False, stats)

@@ -1,0 +1,175 @@
+"""fuse_precision: fp32 norms fed low and read low run as one mixed-dtype kernel, as precise as the cast form."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import amp_fx
+from amp_fx.passes.fuse_precision import fuse_precision
+from amp_fx.passes.insert_casts import insert_casts
+from tests.pass_check import check
+
+LOW = (torch.bfloat16, torch.float16)
+
+
+class NormBetween(nn.Module):
+    """norm (fp32 in the tables) -> Linear (low): the norm is read low.
+
+    Fed a low-precision input, the norm's own input and weight gradients are
+    what the test compares (``x.grad`` is the norm's input gradient);
+    ``fc1`` (Linear -> GELU) in front feeds it low from an fp32 input instead.
+    """
+
+    def __init__(self, norm: str, c: int = 16, front: bool = False):
+        super().__init__()
+        self.kind, self.front = norm, front
+        self.fc1, self.fc2 = nn.Linear(c, c), nn.Linear(c, c)
+        self.norm = {"group_norm": nn.GroupNorm(4, c), "batch_norm": nn.BatchNorm1d(c),
+                     "instance_norm": nn.InstanceNorm1d(c, affine=True), "layer_norm": nn.LayerNorm(c, elementwise_affine=False),
+                     "layer_norm_affine": nn.LayerNorm(c)}[norm]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, length, c)
+        h = F.gelu(self.fc1(x)) if self.front else x
+        if self.kind in ("group_norm", "batch_norm", "instance_norm"):
+            h = self.norm(h.transpose(1, 2)).transpose(1, 2)  # channels second
+        else:
+            h = self.norm(h)
+        return self.fc2(h)
+
+
+# batch_norm and instance_norm follow their input at O1: fp32 only when a policy says so.
+POLICY = {"batch_norm": {"op:batch_norm": "fp32"}, "instance_norm": {"op:instance_norm": "fp32"}}
+FORMS = ["group_norm", "batch_norm", "instance_norm", "layer_norm"]
+
+
+def _inputs(seed: int = 0) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.randn(8, 12, 16) * 3 + 1
+
+
+def _convert(model: nn.Module, norm: str, dtype: torch.dtype, fuse: bool, example: bool = True,
+             x: Optional[torch.Tensor] = None) -> fx.GraphModule:
+    x = _inputs() if x is None else x
+    return amp_fx.convert(model, "O1", dtype=dtype, policy=POLICY.get(norm), fuse_precision=fuse,
+                          example_inputs=(x,) if example else None)
+
+
+def _norm_node(gm: fx.GraphModule) -> fx.Node:
+    return next(n for n in gm.graph.nodes if n.meta.get("amp_fx.op") in ("group_norm", "batch_norm", "instance_norm", "layer_norm"))
+
+
+def _run(gm: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    x = x.clone().requires_grad_()
+    gm.zero_grad(set_to_none=True)
+    out = gm(x)
+    out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape))
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in gm.named_parameters() if p.grad is not None}
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> float:
+    """Largest |got - want| in units of ``dtype``'s ulp at the tensor's largest magnitude.
+
+    (Element by element would be too strict after a GEMM: its sums cancel, and a
+    one-ulp change upstream is many ulps of a near-zero result.)
+    """
+    return ((got.double() - want.double()).abs().max() / (want.double().abs().max() * torch.finfo(dtype).eps)).item()
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("norm", FORMS)
+def test_fused_form_equals_the_cast_form_forward_and_backward(norm, dtype):
+    """Through convert(): output and input gradient within 1 low ulp of the cast form; weight and bias gradients as fp32's."""
+    model = NormBetween(norm)
+    x = _inputs(1).to(dtype)  # a low input straight into the norm: x.grad is the norm's input gradient
+    fused, cast = _convert(model, norm, dtype, True, x=x), _convert(model, norm, dtype, False, x=x)
+    assert _norm_node(fused).meta.get("amp_fx.fused") and not _norm_node(cast).meta.get("amp_fx.fused")
+    (out_f, gx_f, gp_f), (out_c, gx_c, gp_c) = _run(fused, x), _run(cast, x)
+    # The norm's fused result is the cast form's rounded once, as the cast back rounds it.
+    assert _ulps(out_f, out_c, dtype) <= 1.0
+    assert gx_f.dtype == gx_c.dtype == dtype and _ulps(gx_f, gx_c, dtype) <= 1.0
+    assert gp_f.keys() == gp_c.keys() and any(k.startswith("norm.") for k in gp_c) == (norm != "layer_norm")
+    for name, want in gp_c.items():
+        # (group/instance norm's weight gradients agree to ~1e-7; batch norm with running statistics
+        # rounds its weight and bias gradients once to the input's dtype: within one ulp.)
+        assert gp_f[name].dtype == want.dtype and _ulps(gp_f[name], want, dtype) <= 1.0, name
+
+
+@pytest.mark.parametrize("example", [True, False], ids=["example_inputs", "dtype_only"])
+def test_report_and_prediction(example):
+    """The report keeps the fp32 decision with a 'fused' reason; the predicted dtype is the one the module produces."""
+    gm = _convert(NormBetween("group_norm", front=True), "group_norm", torch.bfloat16, True, example=example)
+    node = _norm_node(gm)
+    record = gm.amp_report.node(node.name)
+    assert record.decision == "fp32" and "fused" in record.reason
+    assert "fuse_precision" in str(gm.amp_report)
+    seen = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n):
+            result = super().run_node(n)
+            seen[n.name] = result.dtype if isinstance(result, torch.Tensor) else None
+            return result
+
+    Recorder(gm).run(_inputs())
+    assert seen[node.name] == node.meta["amp_fx.float_dtype"] == torch.bfloat16
+    reader = next(iter(node.users))
+    assert not reader.meta.get("amp_fx.inserted")  # the low reader takes the result as it is: no cast between
+
+
+class _Casts(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ == "_to_copy" and isinstance(out, torch.Tensor) and out.dtype != args[0].dtype:
+            self.count += 1
+        return out
+
+
+def test_fusion_removes_two_casts_forward_and_two_backward():
+    model = NormBetween("group_norm", front=True)
+    counts = {}
+    for fuse in (True, False):
+        gm = _convert(model, "group_norm", torch.bfloat16, fuse)
+        with _Casts() as probe:
+            _run(gm, _inputs())
+        counts[fuse] = probe.count
+    assert counts[False] - counts[True] == 4, counts
+
+
+@pytest.mark.parametrize("case", ["affine_layer_norm", "fp32_reader", "switched_off"])
+def test_not_fused(case):
+    """Affine CPU layer_norm (its weight gradient would lose precision), a reader that computes in fp32, and the switch."""
+    if case == "affine_layer_norm":
+        gm = _convert(NormBetween("layer_norm_affine", front=True), "layer_norm", torch.bfloat16, True)
+    elif case == "switched_off":
+        gm = _convert(NormBetween("group_norm", front=True), "group_norm", torch.bfloat16, False)
+    else:
+        class Residual(NormBetween):
+            def forward(self, x):  # the norm's result meets fp32 x in an add: fusing would round what the add reads
+                h = F.gelu(self.fc1(x)).transpose(1, 2)
+                return self.fc2(self.norm(h).transpose(1, 2) + x)
+
+        gm = _convert(Residual("group_norm", front=True), "group_norm", torch.bfloat16, True)
+    node = _norm_node(gm)
+    assert not node.meta.get("amp_fx.fused") and node.meta["amp_fx.float_dtype"] == torch.float32
+    assert "fused" not in gm.amp_report.node(node.name).reason
+
+
+def test_pass_contract():
+    """pass_check: the pass only marks (code unchanged, modified=False) and is idempotent; insert_casts then writes
+    two casts fewer than without it (the norm's input up and its result back down)."""
+    model, x = NormBetween("group_norm", front=True), _inputs()
+    check(fuse_precision, model, (x,), delta=0, expect_modified=False, example_inputs=(x,))
+    fused = check(insert_casts, model, (x,), example_inputs=(x,))
+    plain = check(insert_casts, model, (x,), example_inputs=(x,), fuse_precision=False)
+    assert len(plain.graph.nodes) - len(fused.graph.nodes) == 2
