@@ -145,6 +145,7 @@ def convert(
     minimize_casts: Optional[bool] = None,
     pad_gemm: Union[None, str, bool] = None,
     fuse_precision: Optional[bool] = None,
+    cache_casts: Optional[bool] = None,
     dynamic_shapes: Any = None,
 ) -> AmpGraphModule:
     """Return ``model`` rewritten for mixed precision at Apex level ``level`` (O0-O3).
@@ -166,6 +167,10 @@ def convert(
         fuse_precision: run fp32 norms fed and read in low precision as one
             mixed-dtype kernel where that keeps fp32's precision (default True;
             :mod:`amp_fx.passes.fuse_precision`).
+        cache_casts: reuse each parameter's low-precision cast across
+            forwards where autograd does not record it (``no_grad``,
+            ``inference_mode``, frozen parameters), until the parameter
+            changes (default True; :mod:`amp_fx.cast_cache`).
         leaf_modules: module types or names to keep whole (not traced into).
         on_unknown_op: ``"follow"`` (default), ``"fp32"`` or ``"error"`` for
             ops in no table.
@@ -184,7 +189,7 @@ def convert(
     config = make_config(
         level, dtype=dtype, keep_batchnorm_fp32=keep_batchnorm_fp32, cast_model_outputs=cast_model_outputs,
         on_unknown_op=on_unknown_op, allow_banned=allow_banned, minimize_casts=minimize_casts, pad_gemm=pad_gemm,
-        fuse_precision=fuse_precision,
+        fuse_precision=fuse_precision, cache_casts=cache_casts,
     ).with_dtype_for(model)
     policy = Policy.coerce(policy)
     if isinstance(model, AmpGraphModule) and hasattr(model, "amp_config"):

@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from amp_fx import meta
 from amp_fx.analysis import alias_root, arrives_as
+from amp_fx.cast_cache import cached_cast
 from amp_fx.casts import amp_cast
 
 __all__ = ["is_inserted_cast", "is_model_cast", "cast_source", "cast_target", "CastBuilder"]
@@ -20,7 +21,7 @@ _INHERITED = (meta.IS_TENSOR, meta.IS_FLOAT, meta.SHAPE, meta.MODULE_PATH, meta.
 
 
 def is_inserted_cast(node: fx.Node) -> bool:
-    """True for a ``.to(dtype)`` or ``amp_cast`` node that amp_fx inserted."""
+    """True for a ``.to(dtype)``, ``amp_cast`` or ``cached_cast`` node that amp_fx inserted."""
     return bool(node.meta.get(meta.INSERTED)) and cast_target(node) is not None
 
 
@@ -37,7 +38,7 @@ def cast_source(node: fx.Node) -> Optional[fx.Node]:
 
 def cast_target(node: fx.Node) -> Optional[torch.dtype]:
     """The floating dtype a cast node produces, or None when ``node`` is not a simple float cast."""
-    if node.op == "call_function" and node.target is amp_cast:
+    if node.op == "call_function" and node.target in (amp_cast, cached_cast):
         return node.args[1]
     if node.op != "call_method":
         return None

@@ -12,6 +12,7 @@ from amp_fx.report import ConversionReport, build_report
 from amp_fx.trace_hooks import finish_trace
 from amp_fx.passes.analyse_dtypes import analyse_dtypes
 from amp_fx.passes.assign_precision import assign_precision
+from amp_fx.passes.cache_weight_casts import cache_weight_casts
 from amp_fx.passes.cast_params import cast_params
 from amp_fx.passes.dedupe_casts import dedupe_casts
 from amp_fx.passes.fold_casts import fold_casts
@@ -49,6 +50,9 @@ def build_pipeline(config: AmpConfig, *, own_params: bool) -> list[AmpPass]:
     if config.pad_gemm is not False:
         # "auto" pads on CUDA only; the pass finds the device and says so in the report.
         pipeline.append(pad_gemm)
+    if config.cache_casts:
+        # Last: every other pass sees plain casts; inference then reuses each weight's cast.
+        pipeline.append(cache_weight_casts)
     return pipeline
 
 

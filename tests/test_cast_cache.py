@@ -1,0 +1,188 @@
+"""Inference reuses each weight's cast across forwards; any change to a parameter is seen; training is unchanged."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import amp_fx
+from amp_fx.cast_cache import cached_cast, cast_cache_size, clear_cast_cache
+
+
+class ParamCasts(TorchDispatchMode):
+    """Counts casts (``_to_copy`` or ``to`` to another dtype) that read one of ``params``."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.ptrs = {p.data_ptr() for p in params}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        source = args[0] if args else None
+        # (Under inference_mode the dispatcher shows aten.to itself, not its _to_copy.)
+        if (func.overloadpacket.__name__ in ("_to_copy", "to") and isinstance(source, torch.Tensor)
+                and source.data_ptr() in self.ptrs and out.dtype != source.dtype):
+            self.count += 1
+        return out
+
+
+class GPTish(nn.Module):
+    """Tied embedding, a pre-LN block with SDPA, LM head: weights read twice (tied) and through views."""
+
+    def __init__(self, vocab=64, d=32):
+        super().__init__()
+        self.wte, self.ln, self.qkv, self.proj = nn.Embedding(vocab, d), nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, ids):
+        x = self.wte(ids)
+        q, k, v = self.qkv(self.ln(x)).unflatten(-1, (3, 4, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+        return F.linear(x, self.wte.weight)
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+MODELS = {"mlp": (_mlp, lambda b: torch.randn(b, 16)), "gpt": (GPTish, lambda b: torch.randint(0, 64, (b, 8)))}
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache():
+    clear_cast_cache()
+    yield
+    clear_cast_cache()
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_no_parameter_cast_after_the_first_forward(name, batch, mode):
+    build, make = MODELS[name]
+    torch.manual_seed(0)
+    model = build().eval()
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    x = make(batch)
+    region = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    counts = []
+    for _ in range(3):
+        with region(), ParamCasts(model.parameters()) as probe:
+            out = gm(x)
+        counts.append(probe.count)
+    assert counts[0] > 0 and counts[1:] == [0, 0], counts
+    with torch.no_grad():
+        torch.testing.assert_close(out, amp_fx.convert(model, "O1", dtype=torch.bfloat16, cache_casts=False)(x))
+        torch.testing.assert_close(out, model(x), rtol=0.05, atol=0.05)
+
+
+def _fresh_reference(model, x):
+    with torch.no_grad():
+        return amp_fx.convert(model, "O1", dtype=torch.bfloat16, cache_casts=False)(x)
+
+
+@pytest.mark.parametrize("change", ["in_place", "load_state_dict", "optimizer_step", "data_swap", "new_parameter"])
+def test_a_changed_parameter_is_never_served_a_stale_cast(change):
+    torch.manual_seed(0)
+    model = _mlp()
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        before = gm(x)
+        gm(x)  # served from the cache
+    first = model[0]
+    if change == "in_place":
+        with torch.no_grad():
+            first.weight.mul_(-2.0)
+    elif change == "load_state_dict":
+        state = {k: v * 0.5 for k, v in model.state_dict().items()}
+        gm.load_state_dict(state)
+    elif change == "optimizer_step":
+        opt = torch.optim.SGD(gm.parameters(), lr=0.5)
+        gm(x).square().sum().backward()
+        opt.step()
+    elif change == "data_swap":
+        first.weight.data = torch.randn_like(first.weight)  # no version bump: caught by the storage check
+    else:
+        gm.get_submodule("0").weight = nn.Parameter(torch.randn_like(first.weight))  # a new object
+        model = gm  # the reference reads the converted module's own parameters now
+    with torch.no_grad():
+        after = gm(x)
+    assert not torch.equal(after, before)
+    torch.testing.assert_close(after, _fresh_reference(model if change != "new_parameter" else _mlp_like(gm), x))
+
+
+def _mlp_like(gm):
+    model = _mlp()
+    model.load_state_dict(gm.state_dict())
+    return model
+
+
+def test_training_gets_gradients_and_frees_the_inference_copies():
+    torch.manual_seed(0)
+    model = _mlp()
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        gm(x)
+    assert cast_cache_size() == 6  # three Linear layers, weight and bias
+    with ParamCasts(model.parameters()) as probe:
+        loss = gm(x).square().sum()
+    assert probe.count == 6  # training casts every weight, as an autograd op
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    assert cast_cache_size() == 0  # the autograd path dropped what inference cached
+    reference = _mlp()
+    reference.load_state_dict(model.state_dict())
+    reference(x).square().sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0.05, atol=0.05)
+
+
+def test_the_cache_is_bounded_and_dies_with_the_parameters():
+    model = _mlp()
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    gm16 = amp_fx.convert(model, "O1", dtype=torch.float16)
+    with torch.no_grad():
+        for step in range(5):
+            gm(torch.randn(4, 16))
+            gm16(torch.randn(4, 16))
+            with torch.no_grad():
+                model[0].bias.add_(0.1)  # a new version each time: the entry is replaced, not added
+    assert cast_cache_size() == 12  # one per (parameter, dtype)
+    del model, gm, gm16
+    gc.collect()
+    assert cast_cache_size() == 0
+
+
+def test_inference_mode_casts_are_not_served_outside_inference_mode():
+    torch.manual_seed(0)
+    model = _mlp()
+    for p in model.parameters():
+        p.requires_grad_(False)  # frozen: cached even with grad enabled
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    x = torch.randn(4, 16, requires_grad=True)
+    with torch.inference_mode():
+        gm(x.detach())
+    gm(x).sum().backward()  # an inference tensor here would fail "cannot be saved for backward"
+    assert x.grad is not None
+
+
+def test_helper_cases_and_compiled_use():
+    p = nn.Parameter(torch.randn(3, 3))
+    assert cached_cast(p, torch.float32) is p
+    labels = torch.arange(3)
+    assert cached_cast(labels, torch.bfloat16) is labels
+    gm = amp_fx.convert(_mlp(), "O1", dtype=torch.bfloat16)
+    compiled = torch.compile(gm, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(torch.ones(2, 16)), gm(torch.ones(2, 16)))
+    report = str(gm.amp_report)
+    assert "reused across forwards" in report
+    again = amp_fx.convert(gm, "O1", dtype=torch.bfloat16)
+    assert again.code == gm.code
