@@ -40,6 +40,8 @@ from bench_measure import CastCounter, RoundTimer, profile_step, spread, state_b
 from bench_models import MODEL_NAMES, PRESETS, build_case  # noqa: E402
 from bench_modes import COMPILED_BASELINE, EAGER_BASELINE, MODES, build_trainer, state_tensors  # noqa: E402
 from bench_scaling import convert_vs_depth, export_route  # noqa: E402
+from bench_inference import bench_inference, inference_targets, print_inference  # noqa: E402
+from bench_fused import bench_fused, print_fused  # noqa: E402
 
 __all__ = ["main", "parse_args", "bench_model", "check_targets"]
 
@@ -73,6 +75,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--depths", default=None, help="layer counts for convert time vs depth (default 6,24,96; quick 2,4)")
     parser.add_argument("--no-scaling", action="store_true", help="skip convert time vs depth and the export route")
     parser.add_argument("--scaling-only", action="store_true", help="only convert time vs depth and the export route")
+    parser.add_argument("--inference", action="store_true",
+                        help="also time eval()/no_grad forwards: O1 (cached weight casts) vs autocast vs fp32 (bench_inference)")
+    parser.add_argument("--inference-only", action="store_true", help="only the inference tables")
+    parser.add_argument("--inference-batches", default="1,8", help="batch sizes of the inference tables (default 1,8)")
+    parser.add_argument("--fused", action="store_true",
+                        help="also the fused-norm lever: a GroupNorm CNN at O1 with and without fuse_precision (bench_fused)")
     args = parser.parse_args(argv)
     args.preset = args.preset or ("quick" if args.quick else "full")
     args.rounds = args.rounds or (3 if args.quick else 9)
@@ -81,6 +89,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.inner = args.inner or ("aot_eager" if args.quick else "inductor")
     args.depths = [int(d) for d in (args.depths or ("2,4" if args.quick else "6,24,96")).split(",")]
     args.models = list(MODEL_NAMES) if args.model == "all" else args.model.split(",")
+    args.inference = args.inference or args.inference_only
+    args.inference_batches = [int(b) for b in args.inference_batches.split(",")]
     modes = list(MODES) if args.modes == "all" else [m.strip() for m in args.modes.split(",")]
     if args.no_compile:
         modes = [m for m in modes if MODES[m][0] == "eager"]
@@ -207,6 +217,34 @@ def check_targets(result: dict) -> list[tuple[str, bool, str]]:
     return out
 
 
+def run_inference(args: argparse.Namespace, results: dict) -> None:
+    """The inference tables (MLP and GPT by default: the models issue 14 names) and their targets."""
+    dtype = DTYPES[args.dtype]
+    names = [n for n in args.models if n in ("mlp", "gpt")] or args.models
+    for name in names:
+        for batch in args.inference_batches:
+            result = bench_inference(name, batch, args, dtype)
+            print_inference(result)
+            for label, met, figures in inference_targets(result):
+                print(f"  target {'met ' if met else 'MISS'}  {label}: {figures}")
+            results[f"inference {name} batch {batch}"] = result
+
+
+def cpu_capability() -> str:
+    """The CPU's native bf16 support: oneDNN's answer and the lscpu flags that give it."""
+    flags = ""
+    try:
+        import subprocess
+
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        found = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f", "avx2") if f" {f}" in text]
+        flags = " ".join(found) or "none of avx512_bf16/amx_bf16/avx512f/avx2"
+    except (OSError, subprocess.SubprocessError):
+        flags = "lscpu unavailable"
+    supported = torch.ops.mkldnn._is_mkldnn_bf16_supported() if hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported") else "?"
+    return f"mkldnn bf16 supported: {supported}; lscpu flags: {flags}"
+
+
 def run_scaling(args: argparse.Namespace) -> None:
     dtype = DTYPES[args.dtype]
     print("\nconvert() time vs depth (symbolic encoder, d=128, O1, best of 2)")
@@ -243,14 +281,21 @@ def main(argv: Optional[list[str]] = None) -> dict:
             print(f"torch {torch.__version__}, device {args.device}, dtype {args.dtype}, {args.threads} thread(s), "
                   f"{args.rounds} rounds x {args.repeats} steps, compile backend {args.inner}, {args.preset} sizes"
                   f"{', inductor caches off' if not args.warm_cache else ''}", flush=True)
-            if not args.scaling_only:
+            if args.device == "cpu":
+                print(cpu_capability(), flush=True)
+            if not args.scaling_only and not args.inference_only:
                 for name in args.models:
                     result = bench_model(name, args)
                     print_table(result)
                     for label, met, figures in check_targets(result):
                         print(f"  target {'met ' if met else 'MISS'}  {label}: {figures}")
                     results[name] = result
-            if not args.no_scaling:
+            if args.inference and not args.scaling_only:
+                run_inference(args, results)
+            if args.fused and not args.scaling_only:
+                results["fused"] = bench_fused(args, DTYPES[args.dtype], **({"batch": 4, "image": 8, "width": 8} if args.quick else {}))
+                print_fused(results["fused"])
+            if not args.no_scaling and not args.inference_only:
                 run_scaling(args)
         finally:
             torch.set_num_threads(threads)

@@ -15,7 +15,8 @@ A node is fused when (checked on the dtype analysis of the final paint):
 2. its first input arrives in a low dtype, every other floating input (and a
    leaf module's parameters and buffers) is fp32;
 3. every reader takes the result in that same low dtype (a ``low`` decision
-   of that dtype, or a view whose readers do): a reader that would compute
+   of that dtype, or a view, ``relu`` or max pooling -- exact ops, which
+   commute with rounding -- whose readers do): a reader that would compute
    with an fp32 result keeps the cast form, since fusing would round its input.
 
 The node keeps its ``fp32`` decision (the report shows it with a "fused"
@@ -130,11 +131,34 @@ def _fusable(gm: fx.GraphModule, node: fx.Node, ctx: PassContext, values: dict) 
         return None
     if op == "layer_norm" and _has_affine(gm, node):
         return None
-    return low if _read_low(node, low, ctx, values) else None
+    return low if _read_low(node, low, ctx, values, gm) else None
 
 
-def _read_low(value: fx.Node, low: torch.dtype, ctx: PassContext, values: dict) -> bool:
-    """Every reader of ``value`` takes it in ``low``: a ``low`` op, a view or copy whose readers do, or a shape query."""
+# Single-input ops that commute with rounding: f(round(y)) == round(f(y)) exactly (rounding to nearest is
+# monotone and symmetric; these only select, negate or compare values).  A fused norm's result may pass
+# through them on its way to a low reader: relu(round(y)) is what the cast form's round(relu(y)) gives.
+_COMMUTES_WITH_ROUNDING = tables.DATA_MOVEMENT | {
+    "relu", "relu6", "neg", "abs", "max_pool1d", "max_pool2d", "max_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d"}
+
+
+def _passes_through(user: fx.Node, value: fx.Node, gm: fx.GraphModule, values: dict) -> bool:
+    """``user`` follows ``value`` through an op that commutes with rounding, reading no other floating tensor."""
+    if user.meta.get(meta.OP) not in _COMMUTES_WITH_ROUNDING or user.meta.get(meta.DECISION, "follow") != "follow":
+        return False
+    if user.meta.get(meta.INPLACE) or not user.args or user.args[0] is not value:
+        return False
+    if user.op == "call_module":
+        module = gm.get_submodule(str(user.target))
+        if any(True for _ in (*module.parameters(), *module.buffers())):
+            return False
+    elif user.op not in ("call_function", "call_method"):
+        return False
+    return not any(n is not value and values.get(n) is not None and values[n].is_float is not False for n in node_inputs(user))
+
+
+def _read_low(value: fx.Node, low: torch.dtype, ctx: PassContext, values: dict, gm: fx.GraphModule) -> bool:
+    """Every reader of ``value`` takes it in ``low``: a ``low`` op, a shape query, or a view or exact op
+    (relu, max pooling) whose readers do."""
     for user in value.users:
         decision = user.meta.get(meta.DECISION, "follow")
         if decision == "low" and input_target(user, decision, ctx.low, values) == low:
@@ -142,12 +166,7 @@ def _read_low(value: fx.Node, low: torch.dtype, ctx: PassContext, values: dict) 
         info = values.get(user)
         if info is not None and info.is_tensor is False and not info.container and user.op != "output":
             continue  # x.size(), x.shape: no arithmetic on the values
-        moves_only = (user.meta.get(meta.OP) in tables.DATA_MOVEMENT and decision == "follow"
-                      and not user.meta.get(meta.INPLACE) and user.args and user.args[0] is value
-                      and user.op in ("call_function", "call_method")
-                      and not any(n is not value and values.get(n) is not None and values[n].is_float is not False
-                                  for n in node_inputs(user)))
-        if moves_only and _read_low(user, low, ctx, values):
+        if _passes_through(user, value, gm, values) and _read_low(user, low, ctx, values, gm):
             continue
         return False
     return True

@@ -89,3 +89,18 @@ def test_parameter_casts_sit_just_before_their_first_reader():
             node = node.next
         assert node is min(cast.users), f"{cast.name} is not just before its first reader"
     torch.testing.assert_close(gm(*inputs), model(*inputs), rtol=2e-2, atol=2e-2)
+
+
+def test_inference_and_fused_tables(capsys):
+    """--inference-only --fused on tiny sizes: O1 casts no parameter after warm-up, autocast casts them all;
+    the GroupNorm CNN fuses its norms and counts fewer casts than with fuse_precision=False."""
+    results = benchmark.main(["--quick", "--model", "mlp", "--inference-only", "--fused", "--inference-batches", "1",
+                              "--rounds", "1", "--repeats", "1", "--warmup", "1"])
+    out = capsys.readouterr().out
+    assert "mkldnn bf16 supported" in out and "inference, eval() + no_grad" in out
+    rows = results["inference mlp batch 1"]["rows"]
+    assert rows["amp_fx O1"]["param_casts"] == 0
+    assert rows["torch.autocast"]["param_casts"] == rows["amp_fx O1 no cache"]["param_casts"] > 0
+    fused = results["fused"]["rows"]
+    assert fused["amp_fx O1"]["fused"] > 0 and fused["amp_fx O1"]["casts"] < fused["amp_fx O1 fuse_precision=False"]["casts"]
+    assert all(row["ms"] > 0 for row in (*rows.values(), *fused.values()))

@@ -173,3 +173,27 @@ def test_pass_contract():
     fused = check(insert_casts, model, (x,), example_inputs=(x,))
     plain = check(insert_casts, model, (x,), example_inputs=(x,), fuse_precision=False)
     assert len(plain.graph.nodes) - len(fused.graph.nodes) == 2
+
+
+class ConvGroupNormRelu(nn.Module):
+    """conv -> GroupNorm -> ReLU -> max pool -> conv: exact ops between the norm and its low reader."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.gn, self.conv2 = nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.Conv2d(16, 8, 3)
+
+    def forward(self, x):
+        return self.conv2(F.max_pool2d(F.relu(self.gn(self.conv1(x))), 2))
+
+
+def test_fused_through_relu_and_max_pool():
+    """relu and max pooling commute with rounding: the fused form gives exactly what the cast form gives."""
+    torch.manual_seed(0)
+    model, x = ConvGroupNormRelu(), torch.randn(4, 3, 12, 12)
+    fused = amp_fx.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,))
+    cast = amp_fx.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,), fuse_precision=False)
+    assert _norm_node(fused).meta.get("amp_fx.fused") and not _norm_node(cast).meta.get("amp_fx.fused")
+    (out_f, gx_f, gp_f), (out_c, gx_c, gp_c) = _run(fused, x), _run(cast, x)
+    assert _ulps(out_f, out_c, torch.bfloat16) <= 1.0 and _ulps(gx_f, gx_c, torch.bfloat16) <= 1.0
+    for name, want in gp_c.items():
+        assert _ulps(gp_f[name], want, torch.bfloat16) <= 1.0, name
