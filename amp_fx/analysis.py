@@ -73,13 +73,20 @@ class Analysis:
     unknown: dict[str, str]
     fake_mode: bool
     read_as: dict[fx.Node, ValueInfo]  # O2/O3 graph inputs as their readers see them (after the entry cast)
+    decisions: dict[fx.Node, str]  # the paint analysed
 
-    def __getitem__(self, node: fx.Node) -> ValueInfo:
-        return self.values[node]
+    @property
+    def complete(self) -> bool:
+        """Every graph input's value was known: no assumption about inputs changed this answer."""
+        return self.fake_mode and all(info.has_value for node, info in self.values.items() if node.op == "placeholder")
 
-    def float_dtype(self, node: Any) -> Optional[torch.dtype]:
-        info = self.values.get(node) if isinstance(node, fx.Node) else None
-        return info.float_dtype if info is not None else None
+    def write(self) -> None:
+        """Store this answer on its nodes (the analysis of the paint the rewrite will use)."""
+        for node, info in self.values.items():
+            info.write(node)
+            if node.op in ("placeholder", "get_attr") and info.dtype is not None:
+                node.meta[meta.ORIG_DTYPE] = info.dtype if node.meta.get(meta.DECISION) != "entry" else node.meta.get(meta.ORIG_DTYPE, info.dtype)
+
 
 
 @contextlib.contextmanager
@@ -149,11 +156,13 @@ def arrives_as(info: ValueInfo, target: Optional[torch.dtype], with_value: bool 
 # --------------------------------------------------------------------------
 # The walk
 # --------------------------------------------------------------------------
-def _graph_fake_mode(graph: fx.Graph) -> Any:
-    for node in graph.nodes:
-        mode = getattr(meta.example_value(node), "fake_mode", None)
-        if mode is not None:
-            return mode
+def _fake_mode_of(examples: Mapping[fx.Node, Any]) -> Any:
+    """The FakeTensorMode the example values already belong to (Dynamo's, torch.export's, an earlier conversion's)."""
+    for value in examples.values():
+        for leaf in pytree.tree_leaves(value):
+            mode = getattr(leaf, "fake_mode", None)
+            if mode is not None:
+                return mode
     return None
 
 
@@ -197,10 +206,11 @@ class _Walker:
         self.values: dict[fx.Node, ValueInfo] = {}
         self.unknown: dict[str, str] = {}
         self.read_as: dict[fx.Node, ValueInfo] = {}  # entry-cast inputs, as their readers see them
+        self.decisions: dict[fx.Node, str] = {}
         self.examples = placeholder_examples(gm, ctx)
         self.mode = None
         if self.examples:
-            self.mode = _graph_fake_mode(gm.graph) or getattr(ctx, "fake_mode", None)
+            self.mode = _fake_mode_of(self.examples) or getattr(ctx, "fake_mode", None)
             if self.mode is None:
                 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -215,7 +225,14 @@ class _Walker:
         if isinstance(value, torch.Tensor) and not hasattr(value, "fake_mode"):
             key = ("fake of", id(value), value._version)
             if key not in self.cache:
-                self.cache[key] = (value, self.mode.from_tensor(value, static_shapes=True))  # holds value: id stays unique
+                # Only metadata matters here: an empty fake tensor of the same layout is made far more
+                # cheaply than from_tensor's full copy of the tensor's description.
+                try:
+                    with self.mode:
+                        fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+                except Exception:  # a layout empty_strided cannot make (sparse, quantized): describe it in full
+                    fake = self.mode.from_tensor(value, static_shapes=True)
+                self.cache[key] = (value, fake)  # holds value: its id stays unique while cached
             return self.cache[key][1]
         return value
 
@@ -229,11 +246,12 @@ class _Walker:
                     self.paint[node] = new
                     info = self._visit(node)
                 self.values[node] = info
-        return Analysis(self.values, self.unknown, self.mode is not None, self.read_as)
+        return Analysis(self.values, self.unknown, self.mode is not None, self.read_as, self.decisions)
 
     # -- one node ----------------------------------------------------------
     def _visit(self, node: fx.Node) -> ValueInfo:
         decision = self.paint.get(node) or node.meta.get(meta.DECISION, "follow")
+        self.decisions[node] = decision
         if node.op == "placeholder":
             return self._placeholder(node, decision)
         if node.op == "get_attr":
@@ -393,10 +411,9 @@ def analyse(gm: fx.GraphModule, ctx: Any = None, paint: Optional[dict] = None, *
     low = low or (ctx.low if ctx is not None else torch.bfloat16)
     analysis = _Walker(gm, ctx, paint if paint is not None else {}, low, assume_inputs, repaint).run()
     if store:
-        for node, info in analysis.values.items():
-            info.write(node)
-            if node.op in ("placeholder", "get_attr") and info.dtype is not None:
-                node.meta[meta.ORIG_DTYPE] = info.dtype if node.meta.get(meta.DECISION) != "entry" else node.meta.get(meta.ORIG_DTYPE, info.dtype)
+        analysis.write()
+        if ctx is not None:
+            ctx.analysis = analysis
     return analysis
 
 

@@ -277,7 +277,7 @@ def calibrate(
         raise ValueError(f"range_fraction must be in (0, 1], got {range_fraction!r}")
     user_rules = list(Policy.coerce(policy).rules)
     added: dict[str, str] = {}
-    examples = tuple(example_inputs) if example_inputs is not None else batches[0]
+    examples = tuple(example_inputs) if example_inputs is not None else _as_batch(batches[0])
 
     def build() -> AmpGraphModule:
         rules = Policy(list(user_rules) + Policy.from_dict(added).rules)

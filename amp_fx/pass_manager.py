@@ -47,6 +47,8 @@ class PassContext:
     analysis_cache: dict = field(default_factory=dict)
     # The one FakeTensorMode of this conversion's analyses (cached fake values must not mix modes).
     fake_mode: Any = None
+    # The dtype analysis stored on the nodes last (amp_fx.analysis.Analysis).
+    analysis: Any = None
 
     @property
     def low(self) -> torch.dtype:

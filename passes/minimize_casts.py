@@ -87,8 +87,18 @@ _PROMOTING_FOLLOW = frozenset({"add", "sub", "mul", "div", "where", "maximum", "
 # The analysis as the cut sees it
 # --------------------------------------------------------------------------
 def cost_view(gm: fx.GraphModule, ctx: PassContext, paint: dict, repaint: Any = None) -> Analysis:
-    """The dtype analysis of ``paint`` for costing: graph inputs of unknown dtype are taken as fp32."""
+    """The dtype analysis of ``paint`` for costing: graph inputs of unknown dtype are taken as fp32.
+
+    The stored analysis is reused when it is of the same paint and assumed nothing about inputs.
+    """
+    stored = ctx.analysis
+    if repaint is None and stored is not None and stored.complete and _same_paint(stored, paint):
+        return stored
     return analyse(gm, ctx, paint, store=False, assume_inputs=torch.float32, repaint=repaint)
+
+
+def _same_paint(analysis: Analysis, paint: dict) -> bool:
+    return all(analysis.decisions.get(node) == decision for node, decision in paint.items())
 
 
 def _kinds(analysis: Analysis) -> dict[fx.Node, str]:
@@ -383,6 +393,7 @@ def minimize_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     placed_bytes, moved, target = greedy_bytes, {}, dict(original)
     measured_worse = False
     sides: dict = {}
+    new_analysis: Optional[Analysis] = None
     if problem.free:
         try:
             sides = problem.solve()
@@ -416,8 +427,14 @@ def minimize_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             node.meta[meta.PLACED_FROM] = original[node]
         elif node.meta.pop(meta.PLACED_FROM, None) is not None:
             modified = True
-    if modified:
-        analyse(gm, ctx)  # the answer insert_casts reads is the one for the final paint
+    if modified:  # the answer insert_casts reads is the one for the final paint
+        final = {node: node.meta[meta.DECISION] for node in graph.nodes}
+        kept = [a for a in (new_analysis, greedy) if a is not None and a.complete and _same_paint(a, final)]
+        if kept:
+            kept[0].write()
+            ctx.analysis = kept[0]
+        else:
+            analyse(gm, ctx)
     stats = {
         "free_nodes": len(problem.free),
         "moved": len(moved),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -278,3 +279,18 @@ def test_a_scaler_state_from_another_level_is_refused():
     with pytest.raises(LossScalerStateError, match="level 'O2'.*level 'O1'.*resume with the level"):
         scaler.load_state_dict(saved)
     assert scaler.state_dict() == before
+
+
+def test_a_leaf_module_name_the_model_does_not_have_is_refused():
+    with pytest.raises(ValueError, match=r"leaf_modules names 'c3'.*Did you mean 'c1'"):
+        amp_fx.convert(nn.Sequential(OrderedDict(c1=nn.Linear(4, 4))), "O1", leaf_modules=["c3"])
+
+
+def test_a_flag_that_is_not_a_bool_is_refused():
+    with pytest.raises(TypeError, match="keep_batchnorm_fp32 must be True or False, got 'yes'"):
+        amp_fx.convert(nn.Linear(4, 4), "O2", keep_batchnorm_fp32="yes")
+
+
+def test_a_bare_tensor_as_example_inputs_is_refused_before_tracing():
+    with pytest.raises(TypeError, match=r"write example_inputs=\(x,\)"):
+        amp_fx.convert(nn.Conv2d(3, 4, 3), "O1", example_inputs=torch.randn(1, 3, 8, 8))

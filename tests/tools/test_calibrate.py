@@ -17,7 +17,7 @@ def _decisions(gm):
 def test_planted_overflow_is_pinned_and_nothing_else():
     model = PlantedAttention()
     batches = [torch.randn(2, 4, 16) for _ in range(2)]
-    plain = amp_fx.convert(model, "O1", dtype=FP16, example_inputs=batches[0])
+    plain = amp_fx.convert(model, "O1", dtype=FP16, example_inputs=(batches[0],))
     assert not torch.isfinite(plain(batches[0])).all()
     calibrated = amp_fx.calibrate(model, batches, "O1", dtype=FP16)
     result = calibrated.amp_calibration
@@ -35,7 +35,7 @@ def test_planted_overflow_is_pinned_and_nothing_else():
     assert (record.decision, record.rule) == ("fp32", "calibration")
     assert f"max |x| {measured:.4g}" in record.reason and "module:logits" in record.reason
     # The policy it found reproduces the result with a plain convert.
-    again = amp_fx.convert(model, "O1", dtype=FP16, example_inputs=batches[0], policy=result.policy)
+    again = amp_fx.convert(model, "O1", dtype=FP16, example_inputs=(batches[0],), policy=result.policy)
     assert _decisions(again) == _decisions(calibrated)
 
 
