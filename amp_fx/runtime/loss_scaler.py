@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from .collapse import ON_COLLAPSE, LossScaleCollapseError, collapse_error
+from .distributed import process_groups_of, reduce_found_inf
 from .overflow import check_and_unscale_, combined_found_inf, grads_of
 from .scaler_options import NO_GRADS_FIX, NO_SCALING_DTYPES, PROMOTED_TO_FP32
 from .scaler_options import Default as _Default
@@ -232,7 +233,11 @@ class LossScaler(ScalerStateMixin):
         inv_scale = 1.0
         if self._scaling:
             inv_scale = _fp32(1.0 / self._loss_scale) if self._loss_scale else math.inf
-        found = check_and_unscale_(grads_of(optimizer.param_groups), inv_scale)
+        grads = grads_of(optimizer.param_groups)
+        found = check_and_unscale_(grads, inv_scale)
+        groups = process_groups_of(grads)
+        if groups:  # sharded (FSDP2): an inf in one rank's shard must skip the step on every rank
+            found = {dev: reduce_found_inf(flag, groups) for dev, flag in found.items()}
         if not self._scaling and state["stage"] is _Stage.UNSCALED:
             for dev, flag in state["found_inf"].items():  # a re-check keeps earlier verdicts
                 found[dev] = found[dev] + flag if dev in found else flag

@@ -37,6 +37,7 @@ from torch import nn
 
 from amp_fx.config import AmpConfig
 
+from .distributed import is_dtensor, local_tensor, shard_like
 from .modules import unwrap_compiled
 
 __all__ = ["MasterWeightOptimizer"]
@@ -63,6 +64,13 @@ def _check_module(module: nn.Module) -> None:
             "returned (its parameters are low-precision copies): "
             "MasterWeightOptimizer(torch.optim.X(model.parameters()), converted)."
         )
+
+
+def _current_param(module: nn.Module, name: str) -> torch.Tensor | None:
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        return None
 
 
 class MasterWeightOptimizer(torch.optim.Optimizer):
@@ -151,6 +159,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         for group, params in zip(optimizer.param_groups, swapped):
             group["params"] = params
         self._move_state_to_masters()
+        if any(is_dtensor(p) for p in self._params.values()) and getattr(module, "amp_fx_masters", None):
+            # The full fp32 originals must not stay referenced from the module: the
+            # masters are now this rank's shards.
+            module.amp_fx_masters = dict(self._masters)
 
     # ----------------------------------------------------- parameter mapping
     def _master_for(self, param: torch.Tensor, adopt: bool = False) -> torch.Tensor:
@@ -178,6 +190,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             return self._masters[name]
         module_param = self._params[name]
         master = self._given.get(name)
+        if master is not None and is_dtensor(module_param) and not is_dtensor(master):
+            # FSDP2 sharded the module: keep only this rank's shard of the fp32 master
+            # (cut from the full original, so no value is rounded through bf16).
+            master = self._given[name] = shard_like(master, module_param)
         if master is None:
             if module_param.dtype in _LOW:
                 master = nn.Parameter(
@@ -277,10 +293,28 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._grad_epoch += 1
 
     # ------------------------------------------------------------------ step
+    def _check_not_resharded(self) -> None:
+        """Refuse a module whose parameters FSDP2 replaced by DTensor shards after this wrapper was built."""
+        for name, param in self._params.items():
+            if is_dtensor(param):
+                continue
+            current = _current_param(self.module, name)
+            if current is not None and current is not param and is_dtensor(current):
+                raise RuntimeError(
+                    f"the module's parameter {name!r} was replaced by a DTensor shard after "
+                    "MasterWeightOptimizer was built (fully_shard after amp_fx.initialize or after "
+                    "MasterWeightOptimizer), so the masters would never reach the module. Shard "
+                    "first, then build the optimizer: gm = amp_fx.runtime.convert_for_sharding(model, "
+                    "'O2', blocks=...); fully_shard(block) for each block; fully_shard(gm); then "
+                    "MasterWeightOptimizer(opt, gm) or amp_fx.initialize(gm_sharded, ...) is refused: "
+                    "see the README's 'Sharded training'."
+                )
+
     def _sync_grads_to_masters(self) -> None:
         """Copy the module's low-precision grads into fp32 master grads (once per iteration)."""
         if self._grads_synced:
             return
+        self._check_not_resharded()
         dst, src = [], []
         for param, master in self._pairs:
             grad = param.grad
@@ -291,8 +325,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 raise NotImplementedError("MasterWeightOptimizer does not support sparse gradients")
             if master.grad is None:
                 master.grad = torch.empty_like(master, memory_format=torch.preserve_format)
-            dst.append(master.grad)
-            src.append(grad)
+            dst.append(local_tensor(master.grad))  # DTensor shards: copy shard to shard
+            src.append(local_tensor(grad))
         if dst:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)
@@ -305,7 +339,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def _copy_masters_to_module(self) -> None:
         if self._pairs:
             with torch.no_grad():
-                torch._foreach_copy_([p for p, _ in self._pairs], [m for _, m in self._pairs])
+                torch._foreach_copy_([local_tensor(p) for p, _ in self._pairs],
+                                     [local_tensor(m) for _, m in self._pairs])
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Step the masters with the wrapped optimizer and copy them into the module.
@@ -362,7 +397,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             )
         names = list(self._masters)
         with torch.no_grad():
-            torch._foreach_copy_([self._masters[n] for n in names], [saved[n] for n in names])
+            torch._foreach_copy_([local_tensor(self._masters[n]) for n in names],
+                                 [local_tensor(saved[n]) for n in names])
         self._copy_masters_to_module()
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self._grads_synced = False

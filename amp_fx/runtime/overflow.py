@@ -12,6 +12,8 @@ from typing import Iterable
 
 import torch
 
+from .distributed import local_tensor
+
 __all__ = ["check_and_unscale_", "grads_of", "combined_found_inf"]
 
 
@@ -53,6 +55,7 @@ def check_and_unscale_(
         defaultdict(lambda: defaultdict(list))
     )
     for grad in grads:
+        grad = local_tensor(grad)  # a DTensor shard: check and unscale the local values in place
         by_device[grad.device][grad.dtype].append(grad)
 
     found: dict[torch.device, torch.Tensor] = {}

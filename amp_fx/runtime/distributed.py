@@ -1,0 +1,237 @@
+"""Sharded training (FSDP2): per-block conversion, cross-rank inf/NaN verdicts, DTensor masters.
+
+``torch.distributed.fsdp.fully_shard(block)`` gathers a block's parameters in
+a hook on ``block.forward``. :func:`amp_fx.convert` inlines every submodule's
+ops into one graph, so no block's ``forward`` would ever run there and FSDP2
+could not gather its parameters. :func:`convert_for_sharding` converts each
+block on its own and the rest of the model around them, so that the converted
+model calls each converted block as a module; ``fully_shard`` then works on
+those blocks as on the original ones, and each block casts its (gathered,
+unsharded) weights once per forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+__all__ = ["convert_for_sharding", "is_dtensor", "local_tensor", "reduce_found_inf", "shard_like"]
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Return whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (FSDP2's sharded parameters)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed support
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view: in-place ops on it change the DTensor), or the tensor itself."""
+    return tensor._local_tensor if is_dtensor(tensor) else tensor
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> nn.Parameter:
+    """Return this rank's shard of the full tensor ``full``, as a DTensor Parameter placed like ``like``.
+
+    Every rank holds the same ``full`` (the original model's fp32 parameter), so
+    each slices its own shard locally: no communication, and the full copy can
+    be dropped afterwards.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    assert isinstance(like, DTensor)
+    shard = distribute_tensor(full.detach(), like.device_mesh, like.placements, src_data_rank=None)
+    return nn.Parameter(shard.to(torch.float32), requires_grad=like.requires_grad)
+
+
+def reduce_found_inf(found: torch.Tensor, groups: Iterable[Any]) -> torch.Tensor:
+    """Sum a 0-dim inf/NaN verdict over every rank of ``groups`` (in place; every rank must call it).
+
+    One rank's overflow then skips the step on all of them, and their loss
+    scales stay identical (what torch's ShardedGradScaler does for FSDP).
+    """
+    for group in groups:
+        dist.all_reduce(found, op=dist.ReduceOp.SUM, group=group)
+    return found
+
+
+def process_groups_of(tensors: Iterable[torch.Tensor]) -> list[Any]:
+    """The distinct process groups over which the DTensors among ``tensors`` are sharded."""
+    groups: dict[int, Any] = {}
+    for tensor in tensors:
+        if is_dtensor(tensor):
+            mesh = tensor.device_mesh
+            for dim in range(mesh.ndim):
+                group = mesh.get_group(dim)
+                groups.setdefault(id(group), group)
+    return list(groups.values())
+
+
+# ------------------------------------------------------------- conversion
+def _block_names(model: nn.Module, blocks: Union[type, Sequence[Union[type, str]]]) -> list[str]:
+    specs = list(blocks) if isinstance(blocks, (list, tuple)) else [blocks]
+    names = [n for n, _ in model.named_modules()]
+    for spec in specs:
+        if isinstance(spec, str) and spec not in names:
+            raise ValueError(f"convert_for_sharding: blocks names {spec!r}, which the model does not have")
+    chosen: list[str] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(c + ".") for c in chosen):
+            continue  # the root is not a block; blocks inside blocks are part of their outer block
+        if any(spec == name if isinstance(spec, str) else isinstance(module, spec) for spec in specs):
+            chosen.append(name)
+    if not chosen:
+        raise ValueError(
+            f"convert_for_sharding: no submodule matches blocks={blocks!r}; pass the block class "
+            "(e.g. GPT2Block) or the blocks' names (e.g. ['layers.0', 'layers.1'])"
+        )
+    return chosen
+
+
+def _block_examples(model: nn.Module, names: list[str], args: Any, kwargs: Any) -> dict[str, tuple]:
+    """Run ``model`` once (fp32, no grad) and record the (args, kwargs) each block was called with."""
+    seen: dict[str, tuple] = {}
+    handles = []
+    for name in names:
+        def hook(module: nn.Module, a: tuple, k: dict, name: str = name) -> None:
+            seen.setdefault(name, (a, k))
+        handles.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(*(args or ()), **(kwargs or {}))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def _call_blocks_as_modules(gm: fx.GraphModule, names: list[str]) -> None:
+    """Make ``gm`` call each block as a module, passing no parameters in from outside.
+
+    At O2/O3 the root casts the parameters of a leaf it keeps in fp32 and runs it
+    through ``call_with_params``; the converted block that replaces it owns its
+    parameters, and FSDP2 must see a plain ``block(...)`` call.
+    """
+    from amp_fx.casts import call_with_params
+
+    holders = {n for n in gm.graph.nodes if n.op == "get_attr" and n.target in names}
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is call_with_params and node.args[0] in holders:
+            with gm.graph.inserting_before(node):
+                call = gm.graph.call_module(node.args[0].target, tuple(node.args[2:]), dict(node.kwargs))
+            call.meta.update(node.meta)
+            node.replace_all_uses_with(call)
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    for node in gm.graph.nodes:
+        owner = node.target.rpartition(".")[0] if node.op == "get_attr" else None
+        if owner is not None and any(owner == b or owner.startswith(b + ".") for b in names):
+            raise RuntimeError(
+                f"convert_for_sharding: the converted model still reads {node.target!r} outside its "
+                "block's forward, so FSDP2 would see it sharded; pass the enclosing module as the block"
+            )
+
+
+def _check_uniform_dtypes(root: nn.Module, names: list[str]) -> None:
+    """FSDP2 gathers one parameter group in one dtype: refuse a block (or the rest) holding two."""
+    groups = {name: root.get_submodule(name) for name in names}
+    in_blocks = {id(p) for block in groups.values() for p in block.parameters()}
+    groups["the model outside the blocks"] = [p for p in root.parameters() if id(p) not in in_blocks]
+    for name, group in groups.items():
+        params = group.parameters() if isinstance(group, nn.Module) else group
+        dtypes = {p.dtype for p in params if p.requires_grad}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"convert_for_sharding: {name} holds parameters of dtypes {sorted(map(str, dtypes))}, and "
+                "fully_shard needs one dtype per sharded module. At O2 the norms keep fp32 parameters; "
+                "pass keep_batchnorm_fp32=False (their fp32 masters still take the updates), or shard "
+                "a coarser module"
+            )
+
+
+def convert_for_sharding(
+    model: nn.Module,
+    level: str = "O1",
+    *,
+    blocks: Union[type, str, Sequence[Union[type, str]]],
+    example_inputs: Any = None,
+    example_kwarg_inputs: Any = None,
+    **convert_kwargs: Any,
+) -> nn.Module:
+    """Convert ``model`` so that each block stays a module FSDP2 can shard: ``fully_shard`` it after this.
+
+    Each block (a submodule of a type in ``blocks``, or named in it) is converted
+    on its own with :func:`amp_fx.convert`; the rest of the model is converted
+    around them with the blocks kept as fp32 leaves, which the converted blocks
+    then replace. Blocks take and return fp32 floating tensors (as every
+    converted module), so the boundary between them costs one cast each way.
+
+    ``example_inputs`` / ``example_kwarg_inputs`` are for the whole model: they
+    are run once in fp32 to record each block's own inputs, which its
+    conversion then gets. The other keywords go to every :func:`amp_fx.convert`.
+    Returns the converted model; at O2 its ``amp_fx_masters`` are the original
+    model's fp32 parameters, as :func:`amp_fx.convert` sets them. FSDP2 gathers
+    each sharded module's parameters in one dtype, so at O2/O3 a block with
+    fp32 norm parameters beside bf16 ones is refused: pass
+    ``keep_batchnorm_fp32=False`` (the norms' fp32 masters still take the updates).
+    """
+    from amp_fx.api import convert
+
+    names = _block_names(model, blocks)
+    examples = {}
+    if example_inputs is not None or example_kwarg_inputs is not None:
+        examples = _block_examples(model, names, example_inputs, example_kwarg_inputs)
+    fp32_blocks = {f"module:{name}": "fp32" for name in names}
+    policy = convert_kwargs.pop("policy", None)
+    if policy is not None:
+        raise ValueError(
+            "convert_for_sharding does not take policy= yet: the blocks' own fp32 policy entries "
+            "would have to be merged with yours; convert the blocks yourself with amp_fx.convert"
+        )
+    root = convert(model, level, example_inputs=example_inputs, example_kwarg_inputs=example_kwarg_inputs,
+                   leaf_modules=names, policy=fp32_blocks, **convert_kwargs)
+    for name in names:
+        args, kwargs = examples.get(name, (None, None))
+        block = convert(model.get_submodule(name), level, example_inputs=args,
+                        example_kwarg_inputs=kwargs or None, **convert_kwargs)
+        parent, _, leaf = name.rpartition(".")
+        root.get_submodule(parent).register_module(leaf, block)
+    _call_blocks_as_modules(root, names)
+    _check_uniform_dtypes(root, names)
+    if getattr(root, "amp_fx_masters", None) is not None:
+        originals = dict(model.named_parameters())
+        root.amp_fx_masters = {n: originals[n] for n, _ in root.named_parameters() if n in originals}
+    return root
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create an optimizer's state tensors (momentum, ...) without changing any parameter.
+
+    ``torch.distributed.checkpoint.load`` loads in place into the tensors of the
+    state dict it is given, and a fresh optimizer has none yet. This steps it
+    once with zero gradients and a learning rate of 0, then clears the gradients;
+    the loaded state then overwrites every value, the step count included.
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)  # MasterWeightOptimizer: its masters' optimizer
+    params = [p for group in inner.param_groups for p in group["params"]]
+    if all(p in inner.state for p in params):
+        return
+    lrs = [group["lr"] for group in inner.param_groups]
+    with torch.no_grad():
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for group in inner.param_groups:
+            group["lr"] = 0.0 if not isinstance(group["lr"], torch.Tensor) else torch.zeros_like(group["lr"])
+        try:
+            inner.step()
+        finally:
+            for group, lr in zip(inner.param_groups, lrs):
+                group["lr"] = lr
+            for p in params:
+                p.grad = None
