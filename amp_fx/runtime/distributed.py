@@ -138,14 +138,44 @@ def _call_blocks_as_modules(gm: fx.GraphModule, names: list[str]) -> None:
             )
 
 
+def _refuse_fsdp_param_dtype(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook: refuse FSDP2's ``param_dtype`` where it would change what amp_fx's graph gets.
+
+    ``MixedPrecisionPolicy(param_dtype=bf16)`` casts every parameter of the
+    sharded module at all-gather (norm weights included) and every floating
+    input, before the converted graph runs: the ops amp_fx keeps in fp32 would
+    get bf16 weights and inputs (values cast twice, the second time to no avail).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return
+    wanted = module._get_fsdp_state()._mp_policy.param_dtype
+    if wanted is None:
+        return
+    held = {dtype for dtype in getattr(module, "_amp_fx_param_dtypes", ())}
+    if held and held != {wanted}:
+        raise ValueError(
+            f"fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype={wanted})) on a module "
+            f"amp_fx converted (its parameters are {sorted(map(str, held))}): FSDP2 would cast every "
+            "parameter and input to that dtype before amp_fx's graph runs, so the ops amp_fx keeps in "
+            "fp32 (norms, softmax, losses) would get rounded weights and inputs. Leave param_dtype "
+            "unset (amp_fx casts each weight once, per op) and set only reduce_dtype: "
+            "MixedPrecisionPolicy(reduce_dtype=torch.float32)."
+        )
+
+
 def _check_uniform_dtypes(root: nn.Module, names: list[str]) -> None:
     """FSDP2 gathers one parameter group in one dtype: refuse a block (or the rest) holding two."""
     groups = {name: root.get_submodule(name) for name in names}
     in_blocks = {id(p) for block in groups.values() for p in block.parameters()}
     groups["the model outside the blocks"] = [p for p in root.parameters() if id(p) not in in_blocks]
+    root._amp_fx_param_dtypes = {p.dtype for p in groups["the model outside the blocks"] if p.requires_grad}
     for name, group in groups.items():
         params = group.parameters() if isinstance(group, nn.Module) else group
         dtypes = {p.dtype for p in params if p.requires_grad}
+        if isinstance(group, nn.Module):
+            group._amp_fx_param_dtypes = dtypes  # read by _refuse_fsdp_param_dtype
         if len(dtypes) > 1:
             raise ValueError(
                 f"convert_for_sharding: {name} holds parameters of dtypes {sorted(map(str, dtypes))}, and "
@@ -204,6 +234,8 @@ def convert_for_sharding(
         root.get_submodule(parent).register_module(leaf, block)
     _call_blocks_as_modules(root, names)
     _check_uniform_dtypes(root, names)
+    for module in [root, *(root.get_submodule(n) for n in names)]:
+        module.register_forward_pre_hook(_refuse_fsdp_param_dtype)
     if getattr(root, "amp_fx_masters", None) is not None:
         originals = dict(model.named_parameters())
         root.amp_fx_masters = {n: originals[n] for n, _ in root.named_parameters() if n in originals}

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
 from amp_fx.runtime import LossScaler, MasterWeightOptimizer
@@ -58,7 +59,7 @@ def batches(steps: int = STEPS):
     return [(torch.randn(16, 12, generator=g), torch.randint(0, 5, (16,), generator=g)) for _ in range(steps)]
 
 
-def build(level: str, rank=None):
+def build(level: str, rank=None, mp=None):
     """Convert a seeded Net per block; shard each block and the root when ``rank`` is given."""
     torch.manual_seed(0)
     model = Net()
@@ -66,10 +67,13 @@ def build(level: str, rank=None):
     extra = {"keep_batchnorm_fp32": False} if level == "O2" else {}
     gm = convert_for_sharding(model, level, blocks=Block, dtype=torch.bfloat16, **extra)
     if rank is not None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        if mp is None and level == "O2":  # the recommended setting: reduce the bf16 gradients in fp32
+            mp = {"reduce_dtype": torch.float32}
+        policy = {} if mp is None else {"mp_policy": MixedPrecisionPolicy(**mp)}
         for block in gm.blocks.children():
-            fully_shard(block)
-        fully_shard(gm)
+            fully_shard(block, **policy)
+        fully_shard(gm, **policy)
     # SGD with momentum: its updates follow the gradients' values (Adam's would amplify the
     # rounding differences of near-zero gradients), and it has state to checkpoint.
     params = model.parameters() if level == "O2" else gm.parameters()
@@ -84,9 +88,9 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().clone()
 
 
-def train(level, rank=None, inject=None, save_at=None, resume=None, ckpt_dir=None):
+def train(level, rank=None, inject=None, save_at=None, resume=None, ckpt_dir=None, mp=None):
     """Train; returns per-step losses and full parameters, skipped steps and the master bytes held."""
-    gm, opt = build(level, rank)
+    gm, opt = build(level, rank, mp)
     scaler = LossScaler(dtype=torch.bfloat16)
     data = batches()
     first = 0
@@ -100,7 +104,13 @@ def train(level, rank=None, inject=None, save_at=None, resume=None, ckpt_dir=Non
             half = x.shape[0] // WORLD
             x, y = x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]
         opt.zero_grad()
-        loss = F.cross_entropy(gm(x), y)
+        if step == first:
+            with CastLog() as casts:
+                logits = gm(x)
+            out["casts"] = casts.log
+        else:
+            logits = gm(x)
+        loss = F.cross_entropy(logits, y)
         scaler.scale(loss).backward()
         if inject is not None and inject == (rank, step):
             grad = gm.get_parameter("blocks.1.fc1.weight").grad
@@ -127,6 +137,22 @@ def train(level, rank=None, inject=None, save_at=None, resume=None, ckpt_dir=Non
         out["master_is_dtensor"] = all(hasattr(m, "full_tensor") for m in masters)
         out["model_fp32_bytes"] = sum(p.numel() * 4 for p in Net().parameters())
     return out
+
+
+class CastLog(TorchDispatchMode):
+    """Record every dtype conversion run inside the block: (source dtype, target dtype, shape)."""
+
+    def __enter__(self):
+        self.log = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype) and isinstance(out, torch.Tensor):
+            if out.dtype != args[0].dtype:
+                self.log.append((str(args[0].dtype), str(out.dtype), tuple(args[0].shape)))
+        return out
 
 
 def _snapshot(gm, opt):
@@ -163,7 +189,14 @@ def _worker(rank: int, port: int, out_dir: str, jobs: list) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        results = {name: train(rank=rank, **kwargs) for name, kwargs in jobs}
+        results = {}
+        for name, kwargs in jobs:
+            try:
+                results[name] = train(rank=rank, **kwargs)
+            except ValueError as err:  # a job named "refused..." expects amp_fx to refuse it
+                if not name.startswith("refused"):
+                    raise
+                results[name] = {"error": str(err)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -6,6 +6,7 @@ each rank); a second spawn resumes from the checkpoint the first one saved.
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 
@@ -34,6 +35,7 @@ def runs(tmp_path_factory):
         ("O1", dict(level="O1")),
         ("O2", dict(level="O2", save_at=3, ckpt_dir=ckpt)),
         ("inf", dict(level="O2", inject=INJECT)),
+        ("refused_param_dtype", dict(level="O1", mp=dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))),
     ])
     resumed = w.launch(out, [("resume", dict(level="O2", resume=3, ckpt_dir=ckpt))])
     return ranks, resumed
@@ -76,3 +78,26 @@ def test_inf_in_one_rank_shard_skips_on_every_rank_and_checkpoint_resumes_bit_id
         for step in (3, 4):
             assert res["loss"][step] == full["loss"][step]
             assert all(torch.equal(res["params"][step][n], full["params"][step][n]) for n in full["params"][step])
+
+
+def _casts(log, batch):
+    """Count the casts of one forward, with the batch dimension (which differs per rank) named 'B'."""
+    return collections.Counter((src, dst, tuple("B" if i == 0 and d == batch else d for i, d in enumerate(shape)))
+                               for src, dst, shape in log)
+
+
+@pytest.mark.slow
+def test_weights_cast_once_per_forward_on_the_unsharded_parameter_and_param_dtype_refused(runs):
+    ranks, _ = runs
+    for level in ("O1", "O2"):
+        one = w.train(level)
+        batch = w.batches()[0][0].shape[0]
+        sharded = _casts(ranks[0][level]["casts"], batch // w.WORLD)
+        # The same casts as one process, of full-shape weights (fc1: 64x32): each block casts
+        # its gathered weights once; no shard is cast, and nothing is cast twice.
+        assert sharded == _casts(one["casts"], batch), level
+        if level == "O1":
+            assert sharded[("torch.float32", "torch.bfloat16", (2 * w.DIM, w.DIM))] == len(w.Net().blocks)
+    for rank in ranks:
+        error = rank["refused_param_dtype"]["error"]
+        assert "param_dtype" in error and "reduce_dtype=torch.float32" in error
