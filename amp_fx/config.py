@@ -144,7 +144,8 @@ def make_config(level: str = "O1", **overrides: Any) -> AmpConfig:
         raise ValueError(
             f"cast_model_outputs must be a torch.dtype, False (keep the graph's dtypes) or None (the level's "
             f"default), got {settings['cast_model_outputs']!r}")
-    for flag in ("keep_batchnorm_fp32", "master_weights", "allow_banned", "minimize_casts", "cast_params"):
+    for flag in ("keep_batchnorm_fp32", "master_weights", "allow_banned", "minimize_casts", "cast_params", "fuse_precision",
+                 "cache_casts"):
         if not isinstance(settings[flag], bool):
             raise TypeError(f"{flag} must be True or False, got {settings[flag]!r}")
     if settings["on_unknown_op"] not in _UNKNOWN_OP_MODES:
