@@ -110,6 +110,62 @@ def _block_examples(model: nn.Module, names: list[str], args: Any, kwargs: Any) 
     return seen
 
 
+def _drop_specialised_kwargs(block: nn.Module, recorded: dict) -> None:
+    """Let the model call an exported block with the keyword arguments it was recorded with.
+
+    torch.export leaves out of the graph's signature the arguments that were
+    None or Python constants when recorded (the graph is specialised on them);
+    the model still passes them. Such an argument is dropped only when it has
+    its recorded value; any other value is refused.
+    """
+    import functools
+    import inspect
+
+    forward = block.forward
+    accepted = set(inspect.signature(forward).parameters)
+
+    def same(key: str, value: Any) -> bool:
+        if key not in recorded or isinstance(value, torch.Tensor):
+            return False
+        try:
+            return value is recorded[key] or bool(value == recorded[key])
+        except Exception:  # noqa: BLE001 - an incomparable value is not the recorded one
+            return False
+
+    @functools.wraps(forward)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        changed = [k for k in kwargs if k not in accepted and not same(k, kwargs[k])]
+        if changed:
+            raise TypeError(
+                f"{type(block).__name__} was converted (torch.export) with {changed} at other values "
+                "and specialised on them; convert again with example inputs like these"
+            )
+        return forward(*args, **{k: v for k, v in kwargs.items() if k in accepted})
+
+    block.forward = call
+
+
+def _shell(model: nn.Module, names: list[str]) -> nn.Module:
+    """A copy of ``model`` sharing every submodule except those on the paths down to the blocks."""
+    import copy
+
+    def fresh(module: nn.Module) -> nn.Module:
+        new = copy.copy(module)
+        new._modules = dict(module._modules)
+        new._parameters = dict(module._parameters)
+        new._buffers = dict(module._buffers)
+        return new
+
+    root = fresh(model)
+    for name in names:
+        owner = root
+        for part in name.split(".")[:-1]:
+            child = fresh(owner._modules[part])
+            owner._modules[part] = child
+            owner = child
+    return root
+
+
 def _call_blocks_as_modules(gm: fx.GraphModule, names: list[str]) -> None:
     """Make ``gm`` call each block as a module, passing no parameters in from outside.
 
@@ -192,6 +248,7 @@ def convert_for_sharding(
     blocks: Union[type, str, Sequence[Union[type, str]]],
     example_inputs: Any = None,
     example_kwarg_inputs: Any = None,
+    convert_root: bool = True,
     **convert_kwargs: Any,
 ) -> nn.Module:
     """Convert ``model`` so that each block stays a module FSDP2 can shard: ``fully_shard`` it after this.
@@ -205,6 +262,10 @@ def convert_for_sharding(
     ``example_inputs`` / ``example_kwarg_inputs`` are for the whole model: they
     are run once in fp32 to record each block's own inputs, which its
     conversion then gets. The other keywords go to every :func:`amp_fx.convert`.
+    ``convert_root=False`` converts only the blocks and returns a copy of
+    ``model`` holding them (the rest runs as written, fp32, sharing the
+    model's parameters); needed when the model is traced by torch.export
+    (Hugging Face models), which would inline the blocks.
     Returns the converted model; at O2 its ``amp_fx_masters`` are the original
     model's fp32 parameters, as :func:`amp_fx.convert` sets them. FSDP2 gathers
     each sharded module's parameters in one dtype, so at O2/O3 a block with
@@ -224,19 +285,36 @@ def convert_for_sharding(
             "convert_for_sharding does not take policy= yet: the blocks' own fp32 policy entries "
             "would have to be merged with yours; convert the blocks yourself with amp_fx.convert"
         )
-    root = convert(model, level, example_inputs=example_inputs, example_kwarg_inputs=example_kwarg_inputs,
-                   leaf_modules=names, policy=fp32_blocks, **convert_kwargs)
+    if convert_root:
+        root = convert(model, level, example_inputs=example_inputs, example_kwarg_inputs=example_kwarg_inputs,
+                       leaf_modules=names, policy=fp32_blocks, **convert_kwargs)
+        if not isinstance(root, fx.GraphModule) or not any(
+                n.op in ("call_module", "call_function") and getattr(n.args[0] if n.args else None, "target", n.target)
+                in names for n in root.graph.nodes):
+            raise ValueError(
+                "convert_for_sharding: the model was traced by torch.export, which inlines the blocks "
+                "instead of calling them, so FSDP2 could not gather their parameters. Pass "
+                "convert_root=False: the blocks are converted and the rest of the model runs as written "
+                "(fp32)."
+            )
+    else:
+        root = _shell(model, names)
     for name in names:
         args, kwargs = examples.get(name, (None, None))
+        # A block's recorded inputs are of one shape; the root's dynamic_shapes do not name its arguments.
+        block_kwargs = dict(convert_kwargs, dynamic_shapes=False) if kwargs else convert_kwargs
         block = convert(model.get_submodule(name), level, example_inputs=args,
-                        example_kwarg_inputs=kwargs or None, **convert_kwargs)
+                        example_kwarg_inputs=kwargs or None, **block_kwargs)
+        if kwargs:
+            _drop_specialised_kwargs(block, kwargs)
         parent, _, leaf = name.rpartition(".")
-        root.get_submodule(parent).register_module(leaf, block)
-    _call_blocks_as_modules(root, names)
+        root.get_submodule(parent)._modules[leaf] = block
+    if convert_root:
+        _call_blocks_as_modules(root, names)
     _check_uniform_dtypes(root, names)
     for module in [root, *(root.get_submodule(n) for n in names)]:
         module.register_forward_pre_hook(_refuse_fsdp_param_dtype)
-    if getattr(root, "amp_fx_masters", None) is not None:
+    if getattr(root, "amp_fx_masters", None) is not None or (not convert_root and level in ("O2", "O3")):
         originals = dict(model.named_parameters())
         root.amp_fx_masters = {n: originals[n] for n, _ in root.named_parameters() if n in originals}
     return root
