@@ -170,7 +170,9 @@ def convert(
         cache_casts: reuse each parameter's low-precision cast across
             forwards where autograd does not record it (``no_grad``,
             ``inference_mode``, frozen parameters), until the parameter
-            changes (default True; :mod:`amp_fx.cast_cache`).
+            changes (default False: a write through ``p.data`` bypasses the
+            version counter that invalidates the cache, so turn it on only
+            where weights change through ordinary ops; :mod:`amp_fx.cast_cache`).
         leaf_modules: module types or names to keep whole (not traced into).
         on_unknown_op: ``"follow"`` (default), ``"fp32"`` or ``"error"`` for
             ops in no table.

@@ -90,7 +90,9 @@ class AmpConfig:
     minimize_casts: bool = False
     pad_gemm: Union[str, bool] = "auto"
     fuse_precision: bool = True  # fp32 norms as fused mixed-dtype kernels where precision is kept (passes/fuse_precision)
-    cache_casts: bool = True  # weight casts reused across forwards when autograd does not record them (amp_fx/cast_cache)
+    # Weight casts reused across forwards when autograd does not record them (amp_fx/cast_cache).  Opt-in:
+    # an in-place write through ``p.data`` bypasses the version counter the cache is keyed to.
+    cache_casts: bool = False
 
     @property
     def low_dtype(self) -> torch.dtype:

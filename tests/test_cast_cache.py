@@ -67,7 +67,7 @@ def test_no_parameter_cast_after_the_first_forward(name, batch, mode):
     build, make = MODELS[name]
     torch.manual_seed(0)
     model = build().eval()
-    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16, cache_casts=True)
     x = make(batch)
     region = torch.no_grad if mode == "no_grad" else torch.inference_mode
     counts = []
@@ -90,7 +90,7 @@ def _fresh_reference(model, x):
 def test_a_changed_parameter_is_never_served_a_stale_cast(change):
     torch.manual_seed(0)
     model = _mlp()
-    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16, cache_casts=True)
     x = torch.randn(8, 16)
     with torch.no_grad():
         before = gm(x)
@@ -126,7 +126,7 @@ def _mlp_like(gm):
 def test_training_gets_gradients_and_frees_the_inference_copies():
     torch.manual_seed(0)
     model = _mlp()
-    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16, cache_casts=True)
     x = torch.randn(8, 16)
     with torch.no_grad():
         gm(x)
@@ -146,8 +146,8 @@ def test_training_gets_gradients_and_frees_the_inference_copies():
 
 def test_the_cache_is_bounded_and_dies_with_the_parameters():
     model = _mlp()
-    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
-    gm16 = amp_fx.convert(model, "O1", dtype=torch.float16)
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16, cache_casts=True)
+    gm16 = amp_fx.convert(model, "O1", dtype=torch.float16, cache_casts=True)
     with torch.no_grad():
         for step in range(5):
             gm(torch.randn(4, 16))
@@ -165,7 +165,7 @@ def test_inference_mode_casts_are_not_served_outside_inference_mode():
     model = _mlp()
     for p in model.parameters():
         p.requires_grad_(False)  # frozen: cached even with grad enabled
-    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16, cache_casts=True)
     x = torch.randn(4, 16, requires_grad=True)
     with torch.inference_mode():
         gm(x.detach())
@@ -178,11 +178,25 @@ def test_helper_cases_and_compiled_use():
     assert cached_cast(p, torch.float32) is p
     labels = torch.arange(3)
     assert cached_cast(labels, torch.bfloat16) is labels
-    gm = amp_fx.convert(_mlp(), "O1", dtype=torch.bfloat16)
+    gm = amp_fx.convert(_mlp(), "O1", dtype=torch.bfloat16, cache_casts=True)
     compiled = torch.compile(gm, backend="eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(torch.ones(2, 16)), gm(torch.ones(2, 16)))
     report = str(gm.amp_report)
     assert "reused across forwards" in report
-    again = amp_fx.convert(gm, "O1", dtype=torch.bfloat16)
+    again = amp_fx.convert(gm, "O1", dtype=torch.bfloat16, cache_casts=True)
     assert again.code == gm.code
+
+
+def test_the_cache_is_off_unless_asked_because_data_writes_bypass_the_version_counter():
+    """``p.data.mul_()`` does not bump the parameter's version: a cached cast would be served stale, so the default
+    converted module re-casts on every forward and sees the write."""
+    model = _mlp()
+    x = torch.randn(4, 16)
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    with torch.no_grad():
+        before = gm(x)
+        for p in model.parameters():
+            p.data.mul_(-1)
+        after = gm(x)
+    assert not torch.allclose(before, after)
