@@ -70,9 +70,11 @@ def _cast_target(node: fx.Node, inputs: Mapping[fx.Node, ValueInfo]) -> tuple[bo
     for arg in list(node.args[1:]) + list(node.kwargs.values()):
         if isinstance(arg, torch.dtype):
             return arg.is_floating_point, arg if arg.is_floating_point else None
-        if isinstance(arg, fx.Node) and arg in inputs:  # .to(other) / .type_as(other)
+        if isinstance(arg, fx.Node) and arg in inputs:
             info = inputs[arg]
-            return info.is_float is not False, info.float_dtype
+            if info.is_tensor is not True:  # .to(h.dtype): a dtype known only at run time
+                return True, None
+            return info.is_float is not False, info.float_dtype  # .to(other) / .type_as(other)
     return True, None
 
 

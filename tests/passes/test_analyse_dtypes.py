@@ -345,3 +345,26 @@ def test_predicted_dtypes_match_on_random_graphs_with_random_input_dtypes(seed):
     blind = amp_fx.convert(gm, "O1", dtype=torch.bfloat16)
     torch.testing.assert_close(blind(x), out, rtol=0, atol=0)
     _check_predictions(blind, (x,), exact=False)
+
+
+class CastToOwnDtype(nn.Module):
+    """Ends with ``h.to(h.dtype)`` / ``h.type_as(x)``: the target dtype is a run-time value."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.l(x)
+        return h.to(h.dtype) if self.how == "to" else h.type_as(h)
+
+
+@pytest.mark.parametrize("how", ["to", "type_as"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("with_examples", [True, False])
+def test_a_cast_to_a_run_time_dtype_still_gets_the_exit_cast(how, level, with_examples):
+    """``h.to(h.dtype)`` is a cast whose target the graph only knows at run time: outputs still come back fp32."""
+    x = torch.randn(2, 4)
+    gm = amp_fx.convert(CastToOwnDtype(how), level, example_inputs=(x,) if with_examples else None)
+    assert gm(x).dtype == torch.float32
