@@ -192,7 +192,8 @@ def _worker(rank: int, port: int, out_dir: str, jobs: list) -> None:
         results = {}
         for name, kwargs in jobs:
             try:
-                results[name] = train(rank=rank, **kwargs)
+                job = train_gpt2 if name.startswith("gpt2") else train
+                results[name] = job(rank=rank, **kwargs)
             except ValueError as err:  # a job named "refused..." expects amp_fx to refuse it
                 if not name.startswith("refused"):
                     raise
@@ -212,3 +213,60 @@ def launch(out_dir: str, jobs: list) -> list[dict]:
     """Run ``jobs`` ([(name, train kwargs)]) on 2 spawned ranks; return each rank's {name: result}."""
     mp.spawn(_worker, args=(free_port(), out_dir, jobs), nprocs=WORLD)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+# ------------------------------------------------------------ Hugging Face GPT-2
+def gpt2_batches(steps: int = 3):
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, 64, (4, 8), generator=g) for _ in range(steps)]
+
+
+def train_gpt2(route: str, rank=None, steps: int = 3):
+    """GPT-2 (2 layers, from a config) at O1, sharded per GPT2Block; ``route``: "convert", "backend" or "fp32"."""
+    import time
+
+    import transformers
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0, attn_implementation="sdpa")
+    model = transformers.GPT2LMHeadModel(config)
+    data = gpt2_batches(steps)
+    if route == "convert":  # torch.export traces GPT-2, so only the blocks are converted
+        net = convert_for_sharding(model, "O1", blocks=GPT2Block, dtype=torch.bfloat16, convert_root=False,
+                                   example_kwarg_inputs={"input_ids": data[0][:2], "use_cache": False})
+    else:
+        net = model
+    blocks = list(net.transformer.h)
+    if rank is not None:
+        from torch.distributed.fsdp import fully_shard
+        for block in blocks:
+            fully_shard(block)
+        fully_shard(net)
+    if route == "backend":
+        for block in blocks:
+            # aot_eager: the amp_fx rewrite without inductor's C++ compile (minutes on 2 shared cores).
+            block.compile(backend="amp_fx", options={"level": "O1", "dtype": torch.bfloat16, "inner": "aot_eager"})
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    out = {"loss": {}, "seconds": {}}
+    for step, ids in enumerate(data):
+        start = time.perf_counter()
+        # The converted blocks are specialised on the half batch a rank sees: one process
+        # runs both halves and averages their gradients, as FSDP2 does across the ranks.
+        halves = ids.chunk(WORLD) if rank is None else [ids.chunk(WORLD)[rank]]
+        opt.zero_grad()
+        mean = torch.zeros(())
+        for part in halves:
+            loss = net(input_ids=part, labels=part, use_cache=False).loss / len(halves)
+            loss.backward()
+            mean += loss.detach()
+        opt.step()
+        if rank is not None:
+            dist.all_reduce(mean)
+            mean /= WORLD
+        out["loss"][step] = mean.item()
+        out["seconds"][step] = time.perf_counter() - start
+    out["params"] = {n: full(p) for n, p in net.named_parameters()}
+    return out

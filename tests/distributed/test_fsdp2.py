@@ -101,3 +101,20 @@ def test_weights_cast_once_per_forward_on_the_unsharded_parameter_and_param_dtyp
     for rank in ranks:
         error = rank["refused_param_dtype"]["error"]
         assert "param_dtype" in error and "reduce_dtype=torch.float32" in error
+
+
+@pytest.mark.slow
+def test_hf_gpt2_sharded_per_block_trains_at_o1_through_convert_and_backend(tmp_path):
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    ranks = w.launch(str(tmp_path), [("gpt2_convert", dict(route="convert")), ("gpt2_backend", dict(route="backend"))])
+    fp32 = w.train_gpt2("fp32")
+    for route in ("convert", "backend"):
+        one = w.train_gpt2(route)
+        r0, r1 = ranks[0]["gpt2_" + route], ranks[1]["gpt2_" + route]
+        for step, loss in one["loss"].items():
+            assert r0["loss"][step] == r1["loss"][step]
+            assert abs(r0["loss"][step] - loss) <= 1e-3 * loss, (route, step)
+            assert r0["loss"][step] != fp32["loss"][step], route  # bf16 really ran
+            assert abs(r0["loss"][step] - fp32["loss"][step]) <= 1e-2 * fp32["loss"][step], route
+        bf16_effect = _rel(one["params"], fp32["params"])
+        assert _rel(r0["params"], one["params"]) <= bf16_effect, route
