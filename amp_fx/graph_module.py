@@ -113,6 +113,17 @@ def _called_by_amp_fx() -> bool:
     return frame is not None and frame.f_code.co_filename.startswith(ours)
 
 
+def _load_masters(module: nn.Module, state_dict: Any) -> None:
+    """Copy loaded values into the module's fp32 masters (O2), where both are plain tensors of the same shape."""
+    masters = module.__dict__.get("amp_fx_masters") or {}
+    with torch.no_grad():
+        for name, master in masters.items():
+            value = state_dict.get(name)
+            plain = type(master) in (torch.Tensor, nn.Parameter) and type(value) in (torch.Tensor, nn.Parameter)
+            if plain and value.shape == master.shape:  # (sharded masters load through torch.distributed.checkpoint)
+                master.copy_(value)
+
+
 class AmpGraphModule(fx.GraphModule):
     """A converted model: a GraphModule with explicit casts (see module docstring)."""
 
@@ -140,6 +151,16 @@ class AmpGraphModule(fx.GraphModule):
         except BaseException:
             torch._C._set_grad_enabled(grad)  # a no_grad region the error left open must not leak
             raise
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load as any module does; at O2 the fp32 masters take the loaded values too.
+
+        Without that, the next ``MasterWeightOptimizer`` step would copy the
+        old masters back over the weights just loaded.
+        """
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        _load_masters(self, state_dict)
+        return result
 
     def train(self, mode: bool = True) -> "AmpGraphModule":
         """Set train/eval mode on this module and its own submodules; warn once if the graph was specialised."""

@@ -205,3 +205,25 @@ def test_the_torch_export_route_converts_but_its_module_does_not_pickle():
     fresh = amp_fx.convert(zoo.Encoder().eval(), "O1", example_inputs=example)
     fresh.load_state_dict(gm.state_dict())
     assert torch.equal(fresh(*example), gm(*example))
+
+
+def test_o2_load_state_dict_reaches_the_masters_so_the_next_step_keeps_it():
+    """gm.load_state_dict at O2 loads the fp32 masters too; the next MasterWeightOptimizer step starts from the load."""
+    def net():
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
+    torch.manual_seed(0)
+    model = net()
+    gm = amp_fx.convert(model, "O2")
+    opt = amp_fx.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), gm)
+    torch.manual_seed(1)
+    checkpoint = net().state_dict()
+    gm.load_state_dict(checkpoint)
+    assert torch.equal(model[0].weight, checkpoint["0.weight"])  # the master took the loaded value
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(gm(x), y).backward()
+    opt.step()
+    moved = (model[0].weight - checkpoint["0.weight"]).abs().max().item()
+    assert 0 < moved < 1e-2  # one small step from the checkpoint, not back to the old weights
+    assert (gm.get_parameter("0.weight").float() - checkpoint["0.weight"]).abs().max().item() < 1e-2
