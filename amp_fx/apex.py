@@ -109,6 +109,15 @@ def _check_fresh_model(model: nn.Module) -> None:
             "bare model first, then wrap what it returns: model, optimizer = amp_fx.initialize(model, "
             f"optimizer, opt_level=...); model = {type(model).__name__}(model, ...)."
         )
+    if any(type(m).__name__.startswith("FSDP") and hasattr(m, "_get_fsdp_state") for m in model.modules()):
+        raise AlreadyInitializedError(  # FSDP2 (fully_shard); see amp_fx.runtime.distributed
+            "amp_fx.initialize got a model sharded by fully_shard. initialize does not support FSDP2, in "
+            "either order: it converts the model into one graph that never calls the blocks FSDP2 gathers, "
+            "and fits an optimizer that fully_shard's new parameters would bypass. Use the GradScaler-style "
+            "API in this order: gm = amp_fx.runtime.convert_for_sharding(model, level, blocks=Block); "
+            "fully_shard each block, then gm; build the optimizer over gm.parameters() (O2: "
+            "MasterWeightOptimizer(torch.optim.X(model.parameters()), gm)); amp_fx.LossScaler()."
+        )
     if _seen(model) or (isinstance(model, AmpGraphModule) and hasattr(model, "amp_config")):
         raise AlreadyInitializedError(
             "amp_fx.initialize was already called on this model (or it is the module initialize/convert "

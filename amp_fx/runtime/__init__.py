@@ -1,5 +1,6 @@
 """Training runtime: dynamic loss scaling and fp32 master weights."""
 
+from .distributed import convert_for_sharding
 from .loss_scaler import LossScaleCollapseError, LossScaler
 from .master_weights import MasterWeightOptimizer
 from .masterless import LowPrecisionOptimizer
@@ -11,4 +12,5 @@ __all__ = [
     "LossScalerStateError",
     "MasterWeightOptimizer",
     "LowPrecisionOptimizer",
+    "convert_for_sharding",
 ]

@@ -88,6 +88,34 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().clone()
 
 
+def initialize_sharded(rank=None):
+    """amp_fx.initialize on a model fully_shard already sharded: refused, naming the order that works."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = Net()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    amp_fx.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1")
+    return {}
+
+
+def masters_before_shard(rank=None):
+    """MasterWeightOptimizer built before fully_shard: its first step is refused, naming the order."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = Net()
+    gm = convert_for_sharding(model, "O2", blocks=Block, dtype=torch.bfloat16, keep_batchnorm_fp32=False)
+    opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gm)
+    for block in gm.blocks.children():
+        fully_shard(block)
+    fully_shard(gm)
+    x, y = batches()[0]
+    F.cross_entropy(gm(x), y).backward()
+    LossScaler(dtype=torch.bfloat16).step(opt)
+    return {}
+
+
 def train(level, rank=None, inject=None, save_at=None, resume=None, ckpt_dir=None, mp=None):
     """Train; returns per-step losses and full parameters, skipped steps and the master bytes held."""
     gm, opt = build(level, rank, mp)
@@ -192,9 +220,10 @@ def _worker(rank: int, port: int, out_dir: str, jobs: list) -> None:
         results = {}
         for name, kwargs in jobs:
             try:
-                job = train_gpt2 if name.startswith("gpt2") else train
+                job = train_gpt2 if name.startswith("gpt2") else initialize_sharded if name == "refused_initialize" \
+                    else masters_before_shard if name == "refused_masters_first" else train
                 results[name] = job(rank=rank, **kwargs)
-            except ValueError as err:  # a job named "refused..." expects amp_fx to refuse it
+            except (ValueError, RuntimeError) as err:  # a job named "refused..." expects amp_fx to refuse it
                 if not name.startswith("refused"):
                     raise
                 results[name] = {"error": str(err)}

@@ -36,6 +36,8 @@ def runs(tmp_path_factory):
         ("O2", dict(level="O2", save_at=3, ckpt_dir=ckpt)),
         ("inf", dict(level="O2", inject=INJECT)),
         ("refused_param_dtype", dict(level="O1", mp=dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))),
+        ("refused_initialize", {}),
+        ("refused_masters_first", {}),
     ])
     resumed = w.launch(out, [("resume", dict(level="O2", resume=3, ckpt_dir=ckpt))])
     return ranks, resumed
@@ -101,6 +103,10 @@ def test_weights_cast_once_per_forward_on_the_unsharded_parameter_and_param_dtyp
     for rank in ranks:
         error = rank["refused_param_dtype"]["error"]
         assert "param_dtype" in error and "reduce_dtype=torch.float32" in error
+        error = rank["refused_initialize"]["error"]
+        assert "fully_shard" in error and "convert_for_sharding" in error
+        error = rank["refused_masters_first"]["error"]
+        assert "after MasterWeightOptimizer" in error and "Shard first" in error
 
 
 @pytest.mark.slow
