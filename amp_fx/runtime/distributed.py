@@ -18,7 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-__all__ = ["convert_for_sharding", "is_dtensor", "local_tensor", "reduce_found_inf", "shard_like"]
+__all__ = [
+    "convert_for_sharding", "init_optimizer_state", "is_dtensor", "local_tensor", "reduce_found_inf",
+    "reduce_over_ranks", "refuse_replaced_params", "shard_like",
+]
 
 
 def is_dtensor(tensor: Any) -> bool:
@@ -49,6 +52,32 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(shard.to(torch.float32), requires_grad=like.requires_grad)
 
 
+def refuse_replaced_params(module: nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Refuse a module whose parameters fully_shard replaced by DTensor shards after ``params`` were taken.
+
+    ``params`` is ``{name: parameter}`` as a MasterWeightOptimizer recorded it;
+    the masters would no longer reach the module (FSDP2 registers new
+    Parameter objects), and training would silently stop.
+    """
+    for name, param in params.items():
+        if is_dtensor(param):
+            continue
+        try:
+            current = module.get_parameter(name)
+        except AttributeError:
+            continue
+        if current is not param and is_dtensor(current):
+            raise RuntimeError(
+                f"the module's parameter {name!r} was replaced by a DTensor shard after "
+                "MasterWeightOptimizer was built (fully_shard after amp_fx.initialize or after "
+                "MasterWeightOptimizer), so the masters would never reach the module. Shard first, "
+                "then build the optimizer: gm = amp_fx.runtime.convert_for_sharding(model, 'O2', "
+                "blocks=..., keep_batchnorm_fp32=False); fully_shard each block, then gm; then "
+                "MasterWeightOptimizer(torch.optim.X(model.parameters()), gm). See the README's "
+                "'Sharded training'."
+            )
+
+
 def reduce_found_inf(found: torch.Tensor, groups: Iterable[Any]) -> torch.Tensor:
     """Sum a 0-dim inf/NaN verdict over every rank of ``groups`` (in place; every rank must call it).
 
@@ -58,6 +87,14 @@ def reduce_found_inf(found: torch.Tensor, groups: Iterable[Any]) -> torch.Tensor
     for group in groups:
         dist.all_reduce(found, op=dist.ReduceOp.SUM, group=group)
     return found
+
+
+def reduce_over_ranks(found: dict, grads: list[torch.Tensor]) -> dict:
+    """Sum per-device inf/NaN verdicts over the ranks the DTensor ``grads`` are sharded over (else as is)."""
+    groups = process_groups_of(grads)
+    if not groups:
+        return found
+    return {device: reduce_found_inf(flag, groups) for device, flag in found.items()}
 
 
 def process_groups_of(tensors: Iterable[torch.Tensor]) -> list[Any]:

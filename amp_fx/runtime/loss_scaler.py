@@ -18,6 +18,9 @@ unchanged. What differs from GradScaler, and why:
   per optimizer step, none per parameter.
 * Optimizers exposing ``_sync_grads_to_masters()`` (:class:`MasterWeightOptimizer`)
   get it called before their gradients are checked and unscaled.
+* Gradients that are DTensor shards (FSDP2) are checked shard by shard and the
+  verdict is summed over the ranks (one all-reduce per step), so an inf on one
+  rank skips the step on all of them and the scale stays the same everywhere.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from .collapse import ON_COLLAPSE, LossScaleCollapseError, collapse_error
-from .distributed import process_groups_of, reduce_found_inf
+from .distributed import reduce_over_ranks
 from .overflow import check_and_unscale_, combined_found_inf, grads_of
 from .scaler_options import NO_GRADS_FIX, NO_SCALING_DTYPES, PROMOTED_TO_FP32
 from .scaler_options import Default as _Default
@@ -234,10 +237,7 @@ class LossScaler(ScalerStateMixin):
         if self._scaling:
             inv_scale = _fp32(1.0 / self._loss_scale) if self._loss_scale else math.inf
         grads = grads_of(optimizer.param_groups)
-        found = check_and_unscale_(grads, inv_scale)
-        groups = process_groups_of(grads)
-        if groups:  # sharded (FSDP2): an inf in one rank's shard must skip the step on every rank
-            found = {dev: reduce_found_inf(flag, groups) for dev, flag in found.items()}
+        found = reduce_over_ranks(check_and_unscale_(grads, inv_scale), grads)  # FSDP2: every rank agrees
         if not self._scaling and state["stage"] is _Stage.UNSCALED:
             for dev, flag in state["found_inf"].items():  # a re-check keeps earlier verdicts
                 found[dev] = found[dev] + flag if dev in found else flag

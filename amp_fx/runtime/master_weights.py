@@ -25,6 +25,11 @@ The masters' gradients are derived, never kept: every unscale or step copies
 them from the module's gradients, so zeroing the module's gradients in any way
 (``optimizer.zero_grad()``, ``module.zero_grad()``, ``p.grad = None``) zeroes
 them, as in Apex.
+
+Under FSDP2 (module sharded by ``fully_shard`` before this wrapper is built)
+each master is a DTensor shard placed like its parameter, cut from the full
+fp32 original, so a rank holds 1/world_size of the masters; gradients and
+masters are copied shard to shard.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from torch import nn
 
 from amp_fx.config import AmpConfig
 
-from .distributed import is_dtensor, local_tensor, shard_like
+from .distributed import is_dtensor, local_tensor, refuse_replaced_params, shard_like
 from .modules import unwrap_compiled
 
 __all__ = ["MasterWeightOptimizer"]
@@ -64,13 +69,6 @@ def _check_module(module: nn.Module) -> None:
             "returned (its parameters are low-precision copies): "
             "MasterWeightOptimizer(torch.optim.X(model.parameters()), converted)."
         )
-
-
-def _current_param(module: nn.Module, name: str) -> torch.Tensor | None:
-    try:
-        return module.get_parameter(name)
-    except AttributeError:
-        return None
 
 
 class MasterWeightOptimizer(torch.optim.Optimizer):
@@ -293,28 +291,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._grad_epoch += 1
 
     # ------------------------------------------------------------------ step
-    def _check_not_resharded(self) -> None:
-        """Refuse a module whose parameters FSDP2 replaced by DTensor shards after this wrapper was built."""
-        for name, param in self._params.items():
-            if is_dtensor(param):
-                continue
-            current = _current_param(self.module, name)
-            if current is not None and current is not param and is_dtensor(current):
-                raise RuntimeError(
-                    f"the module's parameter {name!r} was replaced by a DTensor shard after "
-                    "MasterWeightOptimizer was built (fully_shard after amp_fx.initialize or after "
-                    "MasterWeightOptimizer), so the masters would never reach the module. Shard "
-                    "first, then build the optimizer: gm = amp_fx.runtime.convert_for_sharding(model, "
-                    "'O2', blocks=...); fully_shard(block) for each block; fully_shard(gm); then "
-                    "MasterWeightOptimizer(opt, gm) or amp_fx.initialize(gm_sharded, ...) is refused: "
-                    "see the README's 'Sharded training'."
-                )
-
     def _sync_grads_to_masters(self) -> None:
         """Copy the module's low-precision grads into fp32 master grads (once per iteration)."""
         if self._grads_synced:
             return
-        self._check_not_resharded()
+        refuse_replaced_params(self.module, self._params)  # fully_shard after this wrapper
         dst, src = [], []
         for param, master in self._pairs:
             grad = param.grad
