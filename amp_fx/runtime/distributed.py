@@ -203,6 +203,21 @@ def _shell(model: nn.Module, names: list[str]) -> nn.Module:
     return root
 
 
+def _calls_blocks(root: nn.Module, names: list[str]) -> bool:
+    """Whether the root's graph calls every block (as a module, or through call_with_params at O2/O3)."""
+    from amp_fx.casts import call_with_params
+
+    if not isinstance(root, fx.GraphModule):
+        return False
+    called = set()
+    for node in root.graph.nodes:
+        if node.op == "call_module":
+            called.add(node.target)
+        elif node.op == "call_function" and node.target is call_with_params and node.args:
+            called.add(getattr(node.args[0], "target", None))
+    return set(names) <= called
+
+
 def _call_blocks_as_modules(gm: fx.GraphModule, names: list[str]) -> None:
     """Make ``gm`` call each block as a module, passing no parameters in from outside.
 
@@ -325,9 +340,7 @@ def convert_for_sharding(
     if convert_root:
         root = convert(model, level, example_inputs=example_inputs, example_kwarg_inputs=example_kwarg_inputs,
                        leaf_modules=names, policy=fp32_blocks, **convert_kwargs)
-        if not isinstance(root, fx.GraphModule) or not any(
-                n.op in ("call_module", "call_function") and getattr(n.args[0] if n.args else None, "target", n.target)
-                in names for n in root.graph.nodes):
+        if not _calls_blocks(root, names):
             raise ValueError(
                 "convert_for_sharding: the model was traced by torch.export, which inlines the blocks "
                 "instead of calling them, so FSDP2 could not gather their parameters. Pass "

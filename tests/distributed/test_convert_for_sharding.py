@@ -77,3 +77,16 @@ def test_mistakes_are_named():
         convert_for_sharding(model, "O1", blocks=torch.nn.GRU)
     with pytest.raises(ValueError, match="policy="):
         convert_for_sharding(model, "O1", blocks=w.Block, policy={"op:linear": "fp32"})
+
+
+def test_exported_root_that_inlines_the_blocks_is_refused_naming_convert_root():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(ValueError, match="convert_root=False"):
+        convert_for_sharding(model, "O1", blocks=GPT2Block, dtype=torch.bfloat16,
+                             example_kwarg_inputs={"input_ids": ids, "use_cache": False})
