@@ -364,7 +364,7 @@ def convert_for_sharding(
     _check_uniform_dtypes(root, names)
     for module in [root, *(root.get_submodule(n) for n in names)]:
         module.register_forward_pre_hook(_refuse_fsdp_param_dtype)
-    if getattr(root, "amp_fx_masters", None) is not None or (not convert_root and level in ("O2", "O3")):
+    if getattr(root, "amp_fx_masters", None) is not None or (not convert_root and level == "O2"):
         originals = dict(model.named_parameters())
         root.amp_fx_masters = {n: originals[n] for n, _ in root.named_parameters() if n in originals}
     return root
