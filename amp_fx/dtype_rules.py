@@ -41,6 +41,9 @@ _TUPLE_RESULT = frozenset({"split", "chunk", "unbind", "split_with_sizes", "topk
 _KEEPS_FIRST_DTYPE = tables.DATA_MOVEMENT - {"embedding", "embedding_bag", "one_hot"}
 _NAMED_CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
 _NON_FLOAT_CASTS = frozenset({"long", "int", "bool", "short", "byte", "char"})
+# Complex numbers in and out: ops whose result is the real part of a complex input, and ops that make complex values.
+_COMPLEX_TO_REAL = frozenset({"view_as_real", "real", "imag", "abs", "angle"})
+_COMPLEX_RESULT = frozenset({"view_as_complex", "polar", "complex"})
 
 
 def widest(dtypes: list[Optional[torch.dtype]]) -> Optional[torch.dtype]:
@@ -97,10 +100,6 @@ def rule_value(node: fx.Node, decision: str, inputs: Mapping[fx.Node, ValueInfo]
         return ValueInfo()
     if op in _TUPLE_RESULT and first_info is not None and first_info.is_float is not False and first_info.float_dtype:
         return ValueInfo(False, False, first_info.float_dtype if target is None else target, container=True)
-    complex_in = next((i.dtype for i in inputs.values() if i.dtype is not None and i.dtype.is_complex), None)
-    if complex_in is not None:
-        # ``h * phase`` with a complex phase is complex: never a float, never cast.
-        return ValueInfo(True, False, None, complex_in)
     if op in _NON_FLOAT_RESULT:
         return ValueInfo(None, False)
     if decision == "cast" or op in CAST_OPS:
@@ -111,6 +110,16 @@ def rule_value(node: fx.Node, decision: str, inputs: Mapping[fx.Node, ValueInfo]
             source = first_info
             known = source is not None and source.is_float is True
             return ValueInfo(True if known else None, True if known else None, dtype, shape=source.shape if source else None)
+    complex_first = first_info is not None and first_info.dtype is not None and first_info.dtype.is_complex
+    if op in _COMPLEX_TO_REAL and complex_first:
+        real = first_info.dtype.to_real()
+        return ValueInfo(True, True, real, real)
+    if op == "view_as_complex" and first_info is not None and first_info.float_dtype is not None:
+        return ValueInfo(True, False, None, first_info.float_dtype.to_complex())
+    complex_in = next((i.dtype for i in inputs.values() if i.dtype is not None and i.dtype.is_complex), None)
+    if complex_in is not None or op in _COMPLEX_RESULT:
+        # ``h * phase`` with a complex phase is complex: never a float, never cast.
+        return ValueInfo(True, False, None, complex_in)
     explicit = explicit_dtype(node)
     if explicit is not None:
         return ValueInfo(True, True, explicit)

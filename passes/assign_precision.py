@@ -10,7 +10,10 @@ The algorithm, numbered as the DEBUG log lines are:
 3. A policy rule (module name > module type > op) decides, if one matches.
 4. Otherwise the level decides: O1 looks the op up in the tables; O2/O3 run
    everything low except normalisation (fp32 when ``keep_batchnorm_fp32``)
-   and pure data movement, which follows.
+   and pure data movement, which follows.  At O2/O3 an op that reads a value
+   the model itself widened (``x.float()``) follows it (rule ``model``):
+   Apex's O2 never undid the model's own casts.  GEMMs, norms and leaf
+   modules, which run beside their low parameters, stay low.
 5. Banned ops raise (or run fp32 with ``allow_banned=True``); unknown ops
    follow, run fp32, or raise, as ``on_unknown_op`` says.
 6. In-place ops that the tables would cast cannot be cast in place: an
@@ -23,11 +26,13 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.fx as fx
 
 from amp_fx import regions, tables
 from amp_fx.declared_precision import declared_precision, policy_target
 from amp_fx.errors import BannedOpError, UnknownOpError
+from amp_fx.cast_nodes import cast_target
 from amp_fx.op_keys import CAST_OPS
 from amp_fx.pass_manager import PassContext, PassResult
 
@@ -116,12 +121,51 @@ def _decide(node: fx.Node, ctx: PassContext) -> tuple[str, str, str]:
     return _level_decision(node, op, ctx)
 
 
+def _widening_model_cast(node: fx.Node) -> bool:
+    """A cast the model itself wrote to float32/float64 (``x.float()``, ``x.to(torch.float32)``)."""
+    return node.meta.get("amp_fx.op") in CAST_OPS and cast_target(node) in (torch.float32, torch.float64)
+
+
+def _read_only_widened(node: fx.Node) -> bool:
+    """Every use of ``node`` (through views) is a cast the model wrote to full precision."""
+    users = list(node.users)
+    return bool(users) and all(
+        _widening_model_cast(u) or (u.meta.get("amp_fx.op") in tables.DATA_MOVEMENT and _read_only_widened(u)) for u in users)
+
+
+def _respect_model_casts(node: fx.Node, decision: str, reason: str, rule: str, wide: set, ctx: PassContext) -> tuple[str, str, str]:
+    """O2/O3: an op reading a value the model itself widened to fp32 follows it instead of being cast back down.
+
+    The whole-graph "low" of O2/O3 stands for Apex's ``model.half()``: the
+    model's own ``x.float()`` still computes in fp32 there (rotary frequencies,
+    loss heads).  GEMMs and convolutions still run low, as under autocast.
+    Weights the model reads only through such casts stay fp32 (``keep_fp32``).
+    """
+    if ctx.config.op_mode != "all_low":
+        return decision, reason, rule
+    if node.op == "get_attr" and _read_only_widened(node):
+        node.meta["amp_fx.keep_fp32"] = True
+    if _widening_model_cast(node):
+        wide.add(node)
+        return decision, reason, rule
+    reads_wide = any(n in wide for n in node.all_input_nodes)
+    # GEMMs, convolutions, norms and leaf modules run with their (low) parameters: they stay low.
+    with_params = node.meta.get("amp_fx.op") in tables.LOW or node.meta.get("amp_fx.op") in tables.NORM_OPS \
+        or node.op == "call_module"
+    if reads_wide and rule == "level" and decision == "low" and not with_params:
+        decision, reason, rule = "follow", f"{ctx.config.level}: follows the model's own cast to full precision", "model"
+    if reads_wide and decision == "follow":
+        wide.add(node)
+    return decision, reason, rule
+
+
 def assign_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Paint every node with ``amp_fx.decision`` / ``amp_fx.reason`` / ``amp_fx.rule``."""
     counts: dict[str, int] = {}
     unknown: dict[str, int] = {}
+    wide: set[fx.Node] = set()  # values the model widened itself, and what follows them
     for node in gm.graph.nodes:
-        decision, reason, rule = _decide(node, ctx)
+        decision, reason, rule = _respect_model_casts(node, *_decide(node, ctx), wide, ctx)
         if node.meta.get("amp_fx.inplace") and decision == "low":
             decision, reason = "follow", "in-place op: runs in its input's dtype (autocast does not cast in-place ops)"
         elif node.meta.get("amp_fx.inplace") and decision == "fp32":

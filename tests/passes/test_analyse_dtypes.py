@@ -368,3 +368,53 @@ def test_a_cast_to_a_run_time_dtype_still_gets_the_exit_cast(how, level, with_ex
     x = torch.randn(2, 4)
     gm = amp_fx.convert(CastToOwnDtype(how), level, example_inputs=(x,) if with_examples else None)
     assert gm(x).dtype == torch.float32
+
+
+class FloatRotary(nn.Module):
+    """Rotary frequencies computed after the model's own ``.float()`` casts (as HF Llama does), no autocast region."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)), persistent=False)
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1], device=x.device)
+        freqs = pos[:, None].float() * self.inv_freq[None, :].float()
+        return self.q(x), freqs.cos()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_the_models_own_float_casts_keep_their_meaning_at_every_level(level):
+    """O2/O3 do not cast the model's x.float() back down: cos runs fp32 (bitwise fp32), the GEMM still low."""
+    model, x = FloatRotary(), torch.randn(2, 512, 8)
+    _, cos_ref = model(x)
+    gm = amp_fx.convert(model, level, example_inputs=(x,))
+    q, cos = gm(x)
+    assert torch.equal(cos, cos_ref)
+    assert gm.amp_report.node("cos").dtype == "float32" and gm.amp_report.node("linear").decision == "low"
+
+
+class ComplexRotary(nn.Module):
+    """Meta-style RoPE: view_as_complex of the widened activation, times a complex buffer, back to real."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("freqs", torch.polar(torch.ones(4), torch.linspace(0, 3, 4)))
+
+    def forward(self, x):
+        h = self.fc(x)
+        hc = torch.view_as_complex(h.float().reshape(-1, 4, 2))
+        return torch.view_as_real(hc * self.freqs).flatten(-2).type_as(h)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("with_examples", [True, False])
+def test_complex_rope_converts_and_returns_fp32(level, with_examples):
+    """view_as_complex / view_as_real: complex values are never cast, the real result is, and outputs come back fp32."""
+    model, x = ComplexRotary(), torch.randn(3, 8)
+    gm = amp_fx.convert(model, level, example_inputs=(x,) if with_examples else None)
+    out = gm(x)
+    assert out.dtype == torch.float32
+    _close(out, model(x), tol=0.03)
