@@ -56,6 +56,8 @@ def _check_inputs(example_inputs: Any, example_kwarg_inputs: Any) -> None:
 
 def _check_leaf_names(leaf_modules: Sequence[Any], module_names: Sequence[str]) -> None:
     """A leaf module named by a string must exist in the model (a typo would silently trace through it)."""
+    if isinstance(leaf_modules, str):
+        raise TypeError(f"leaf_modules takes a list of module names or types: write leaf_modules=[{leaf_modules!r}]")
     for leaf in leaf_modules:
         if isinstance(leaf, str) and leaf not in module_names:
             close = difflib.get_close_matches(leaf, [n for n in module_names if n], n=3, cutoff=0.5)
@@ -225,6 +227,10 @@ def convert(
         result.train(model.training)
     result.amp_report = report
     result.amp_config = config
+    # The casts were placed for the example inputs' floating dtypes: calls with other dtypes are refused.
+    examples = {**dict(enumerate(example_inputs or ())), **dict(example_kwarg_inputs or {})}
+    result.amp_fx_input_dtypes = {key: value.dtype for key, value in examples.items()
+                                  if isinstance(value, torch.Tensor) and value.is_floating_point()}
     result.amp_fx_source_dtypes = dict(ctx.extra.get("source_dtypes", {}))
     if config.master_weights and owns_params:
         originals = dict(model.named_parameters())

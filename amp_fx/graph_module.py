@@ -39,7 +39,7 @@ from amp_fx.train_flags import FROZEN_ATTR
 __all__ = ["AmpGraphModule", "AMP_ATTRIBUTES", "FrozenTrainingWarning"]
 
 # Attributes that describe a conversion; carried through deepcopy and pickle.
-AMP_ATTRIBUTES = ("amp_report", "amp_config", "amp_fx_masters", "amp_fx_source_dtypes", FROZEN_ATTR)
+AMP_ATTRIBUTES = ("amp_report", "amp_config", "amp_fx_masters", "amp_fx_source_dtypes", "amp_fx_input_dtypes", FROZEN_ATTR)
 
 
 class FrozenTrainingWarning(UserWarning):
@@ -113,6 +113,19 @@ def _called_by_amp_fx() -> bool:
     return frame is not None and frame.f_code.co_filename.startswith(ours)
 
 
+def _check_input_dtypes(expected: dict, args: tuple, kwargs: dict) -> None:
+    """Refuse a floating input of another dtype than the example inputs had: the graph's casts were placed for those."""
+    for key, dtype in expected.items():
+        value = args[key] if isinstance(key, int) and key < len(args) else kwargs.get(key) if isinstance(key, str) else None
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+            name = f"input {key}" if isinstance(key, int) else f"input {key!r}"
+            raise TypeError(
+                f"amp_fx: this module was converted with example inputs whose {name} was {dtype}, and is called with "
+                f"{value.dtype}. Its casts were placed for {dtype} (where a value is already in the right dtype no cast "
+                f"is written), so other dtypes would run ops in the wrong precision. Convert with example inputs of the "
+                f"dtypes you call it with, or without example_inputs (then any floating dtype works).")
+
+
 def _load_masters(module: nn.Module, state_dict: Any) -> None:
     """Copy loaded values into the module's fp32 masters (O2), where both are plain tensors of the same shape."""
     masters = module.__dict__.get("amp_fx_masters") or {}
@@ -138,6 +151,9 @@ class AmpGraphModule(fx.GraphModule):
             setattr(self, FROZEN_ATTR, dict(frozen))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        expected = self.__dict__.get("amp_fx_input_dtypes")
+        if expected:
+            _check_input_dtypes(expected, args, kwargs)
         grad = torch.is_grad_enabled()
         try:
             active = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]

@@ -102,7 +102,12 @@ class Policy:
 
     def set_module_name_regex(self, pattern: str, decision: str) -> "Policy":
         """Pin every op inside modules whose full name matches the regex ``pattern``."""
-        return self._set(PolicyRule("module_re", re.compile(pattern), _check_decision(decision)))
+        try:
+            compiled = re.compile(pattern)
+        except re.error as error:
+            raise ValueError(f"policy key 'module_re:{pattern}' is not a valid regular expression ({error}); "
+                             "escape dots as \\. and check the brackets") from error
+        return self._set(PolicyRule("module_re", compiled, _check_decision(decision)))
 
     def set_module_type(self, module_type: type, decision: str) -> "Policy":
         """Pin every op inside modules of ``module_type`` (subclasses included)."""
@@ -170,6 +175,9 @@ class Policy:
                 )
             if rule.kind == "module_glob" and not any(fnmatch.fnmatchcase(n, rule.key) for n in names):
                 raise ValueError(f"policy pattern {rule.key!r} matches no module of the model")
+            if rule.kind == "module_re" and not any(rule.key.search(n) for n in names):
+                raise ValueError(f"policy regex {rule.key.pattern!r} matches no module of the model "
+                                 f"(module names are those of model.named_modules(), e.g. {names[:3]})")
 
     # -- deciding ---------------------------------------------------------
     def decide(self, op: Optional[str], target: Any, module_stack: Iterable[tuple[str, type]]) -> Optional[PolicyRule]:

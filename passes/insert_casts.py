@@ -30,6 +30,7 @@ from amp_fx import meta
 from amp_fx.analysis import ValueInfo, analyse, input_target, may_be_float_tensor, promoting_inputs
 from amp_fx.cast_nodes import CastBuilder, cast_source
 from amp_fx.casts import amp_promote, call_with_params
+from amp_fx.errors import UnsupportedConstructError
 from amp_fx.pass_manager import PassContext, PassResult
 
 __all__ = ["insert_casts"]
@@ -114,6 +115,50 @@ def _keep_checks_true(node: fx.Node) -> bool:
     return False
 
 
+# Ops whose result is a view of their first input (getitem only with basic, non-tensor indices).
+_VIEWS = frozenset({"view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "expand", "squeeze",
+                    "unsqueeze", "narrow", "select", "slice", "detach", "alias", "view_as", "split", "chunk", "unbind",
+                    "diagonal", "as_strided", "getitem"})
+
+
+def _viewed_input(node: fx.Node) -> Optional[fx.Node]:
+    """The graph input ``node`` is a view of, if it surely is one."""
+    while node.op != "placeholder":
+        if node.op not in ("call_function", "call_method") or node.meta.get(meta.OP) not in _VIEWS or not node.args:
+            return None
+        if node.meta.get(meta.OP) == "getitem" and node.all_input_nodes[1:]:
+            return None  # x[ids]: advanced indexing copies
+        source = node.args[0]
+        if not isinstance(source, fx.Node):
+            return None
+        node = source
+    return node
+
+
+def _written_inputs(graph: fx.Graph) -> set[fx.Node]:
+    """Graph inputs that an in-place op writes into, directly or through views."""
+    found = set()
+    for node in graph.nodes:
+        if node.meta.get(meta.INPLACE) and node.args and isinstance(node.args[0], fx.Node):
+            target = _viewed_input(node.args[0])
+            if target is not None:
+                found.add(target)
+    return found
+
+
+def _refuse_input_write(node: fx.Node, ctx: PassContext) -> None:
+    """An in-place write into a graph input cannot reach the caller's tensor once the input is cast at entry."""
+    writer = next((n for n in node.graph.nodes if n.meta.get(meta.INPLACE) and n.args and isinstance(n.args[0], fx.Node)
+                   and _viewed_input(n.args[0]) is node), None)
+    where = (writer.meta.get(meta.SOURCE) if writer is not None else None) or "unknown source line"
+    raise UnsupportedConstructError(
+        f"forward writes in place into its input {node.name!r} ({writer.name if writer is not None else '?'} at {where}). "
+        f"At {ctx.config.level} floating inputs are cast to {str(ctx.low).replace('torch.', '')} at entry, so the write "
+        "would change the cast copy, not the caller's tensor. Convert at O1 (inputs are not cast at entry), or write "
+        "the result out of place and return it.",
+        construct="in-place write into a graph input", where=where)
+
+
 def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Insert casts so that every node sees the dtype its decision asks for."""
     graph = gm.graph
@@ -124,6 +169,7 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     low = ctx.low
     promote_helpers = leaf_param_casts = checks_rewritten = 0
     entry_casts: list[fx.Node] = []
+    written = _written_inputs(graph)
     for node in list(graph.nodes):
         if node.meta.get(meta.INSERTED):
             continue
@@ -131,6 +177,8 @@ def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if node.op in ("placeholder", "get_attr"):
             # An input read only by casts (fold_casts reads through entry casts) needs no entry cast.
             if decision == "entry" and _castable(node) and any(not user.meta.get(meta.INSERTED) for user in node.users):
+                if node in written:
+                    _refuse_input_write(node, ctx)
                 cast = builder.cast(node, low)
                 # Every later reader sees the entry cast, never the raw input.
                 node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)

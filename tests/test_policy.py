@@ -137,3 +137,12 @@ def test_a_misspelt_op_name_is_refused_with_close_matches():
         amp_fx.convert(Net(), "O1", policy={"op:sofmax": "low"})
     # A known op the model does not call is fine: a policy may be shared between models.
     amp_fx.convert(Nested(), "O1", policy={"op:softmax": "low"})
+
+
+def test_a_regex_that_matches_nothing_or_does_not_compile_is_refused():
+    with pytest.raises(ValueError, match="regex 'fc_1' matches no module"):
+        amp_fx.convert(Nested(), "O1", policy={"module_re:fc_1": "fp32"})
+    with pytest.raises(ValueError, match=r"'module_re:dec\[' is not a valid regular expression"):
+        amp_fx.convert(Nested(), "O1", policy={"module_re:dec[": "fp32"})
+    with pytest.raises(TypeError, match=r"leaf_modules=\['dec'\]"):
+        amp_fx.convert(Nested(), "O1", leaf_modules="dec")

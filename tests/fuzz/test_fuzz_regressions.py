@@ -15,6 +15,7 @@ import torch.nn as nn
 
 import amp_fx
 from amp_fx.cast_nodes import cast_source, is_inserted_cast
+from amp_fx.errors import UnsupportedConstructError
 from amp_fx.pass_manager import PassContext
 from amp_fx.pipeline import rewrite_graph
 from fuzz.invariants import DispatchProbe, check_model
@@ -86,9 +87,22 @@ def test_two_casts_of_one_value_around_a_write_are_not_merged():
 def test_an_in_place_op_keeps_the_dtype_of_the_tensor_it_writes():
     """`x.add_(y)` with a low x and an fp32 y was recorded as fp32 (the promotion), so O2 skipped
     the exit cast and returned bf16.  Fix: an in-place FOLLOW op has its first argument's dtype."""
-    program = Program(("x",), (Step("layer_norm_f", (0,)), Step("relu_", (1,)), Step("add_", (0, 2))), (3,))
+    program = Program(("x",), (Step("layer_norm_f", (0,)), Step("relu", (0,)), Step("add_", (2, 1))), (3,))
     gm = amp_fx.convert(build_model(program), "O2")
     assert gm(*make_inputs(program)).dtype == torch.float32
+    check_model(lambda: build_model(program), lambda: make_inputs(program))
+
+
+def test_an_in_place_write_into_an_input_is_refused_at_o2_and_kept_at_o1():
+    """`x.add_(y)` on the graph input: O2/O3 cast inputs at entry, so the caller's x would silently not change;
+    that is refused, naming the line. O1 writes the caller's tensor, as eager does."""
+    program = Program(("x",), (Step("layer_norm_f", (0,)), Step("add_", (0, 1))), (2,))
+    with pytest.raises(UnsupportedConstructError, match="writes in place into its input 'x'"):
+        amp_fx.convert(build_model(program), "O2")
+    x, = make_inputs(program)
+    before = x.clone()
+    amp_fx.convert(build_model(program), "O1")(x)
+    assert not torch.equal(x, before)
     check_model(lambda: build_model(program), lambda: make_inputs(program))
 
 

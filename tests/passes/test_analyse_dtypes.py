@@ -418,3 +418,16 @@ def test_complex_rope_converts_and_returns_fp32(level, with_examples):
     out = gm(x)
     assert out.dtype == torch.float32
     _close(out, model(x), tol=0.03)
+
+
+def test_a_call_with_other_dtypes_than_the_example_inputs_is_refused():
+    """Converted with fp32 examples, the softmax reads an fp32 value with no cast; a bf16 call would run it in bf16
+    while the report says fp32. It is refused, naming the input and the fix; the examples' dtype still runs."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Softmax(-1))
+    x = torch.randn(2, 4)
+    gm = amp_fx.convert(model, "O1", example_inputs=(x,))
+    assert gm(x).dtype == torch.float32
+    with pytest.raises(TypeError, match=r"input 0 was torch.float32, and is called with torch.bfloat16"):
+        gm(x.bfloat16())
+    blind = amp_fx.convert(model, "O1")  # without example inputs any floating dtype works
+    _close(blind(x.bfloat16()), model(x))
