@@ -22,6 +22,18 @@ def _dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
     return None if dtype is None else str(dtype).replace("torch.", "")
 
 
+def _node_dtype(node: fx.Node) -> Optional[str]:
+    """The dtype column: a value's dtype, or "bfloat16 if floating" where the analysis does not know it is floating.
+
+    A guarded cast (``amp_cast``) of an input of unknown dtype casts only floating
+    tensors: integer ids pass through it unchanged.
+    """
+    name = _dtype_name(float_dtype(node))
+    if name is not None and node.meta.get("amp_fx.is_float") is not True and node.meta.get("amp_fx.inserted"):
+        return f"{name} if floating"
+    return name
+
+
 @dataclass
 class NodeRecord:
     """One node of the rewritten graph: what it is, where it came from, what was decided."""
@@ -159,7 +171,7 @@ def build_report(gm: fx.GraphModule, *, level: str, dtype: torch.dtype, route: s
             decision=meta.get("amp_fx.decision", "none"),
             reason=reason,
             rule=meta.get("amp_fx.rule", "inserted" if inserted else ""),
-            dtype=_dtype_name(float_dtype(node)),
+            dtype=_node_dtype(node),
             source=meta.get("amp_fx.source"),
             inserted=inserted,
             cast_bytes=cast_bytes(node) if is_cast else None,

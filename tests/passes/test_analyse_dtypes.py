@@ -431,3 +431,21 @@ def test_a_call_with_other_dtypes_than_the_example_inputs_is_refused():
         gm(x.bfloat16())
     blind = amp_fx.convert(model, "O1")  # without example inputs any floating dtype works
     _close(blind(x.bfloat16()), model(x))
+
+
+def test_the_report_says_a_guarded_cast_only_casts_floating_inputs():
+    """O2 without example inputs: integer ids pass the entry's guarded cast unchanged, and the report says so."""
+
+    class Ids(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e, self.l = nn.Embedding(10, 4), nn.Linear(4, 4)
+
+        def forward(self, ids, x):
+            return self.l(self.e(ids) + x)
+
+    gm = amp_fx.convert(Ids(), "O2")
+    entry = [r for r in gm.amp_report.nodes if r.inserted and r.reason.startswith("inserted: ids")]
+    assert [r.dtype for r in entry] == ["bfloat16 if floating"]
+    ids = torch.randint(0, 10, (3,))
+    assert gm(ids, torch.randn(3, 4)).dtype == torch.float32
