@@ -34,13 +34,13 @@ masters are copied shard to shard.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from amp_fx.config import AmpConfig
+from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer
 
 from .distributed import is_dtensor, local_tensor, refuse_replaced_params, shard_like
 from .modules import unwrap_compiled
@@ -71,7 +71,7 @@ def _check_module(module: nn.Module) -> None:
         )
 
 
-class MasterWeightOptimizer(torch.optim.Optimizer):
+class MasterWeightOptimizer(WrappedOptimizer):
     """Step fp32 master copies of a low-precision module's parameters, then copy them back.
 
     Args:
@@ -96,8 +96,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     optimizer) drive the real learning rates.
     """
 
-    # Deliberately no Optimizer.__init__: it would build its own param_groups and
-    # state, while ours must be the wrapped optimizer's objects.
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -117,13 +115,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         # add_param_group() can take the parameters of its other converted models.
         self._resolve: Callable[[torch.Tensor], Any] | None = None
         self._added = 0
-        for hooks in (
-            "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-            "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-            "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
-        ):
-            setattr(self, hooks, OrderedDict())
-        self._patch_step_function()  # step hooks and profiling, as any Optimizer
+        self._init_face()
         self._grads_synced = False
 
         self._names = {id(p): n for n, p in module.named_parameters()}
@@ -229,23 +221,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 self.optimizer.state[master] = self.optimizer.state.pop(param)
 
     # ------------------------------------------------ the optimizer's face
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__.copy()
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
     def master_parameters(self) -> Iterator[torch.Tensor]:
         """Yield the fp32 tensors the optimizer steps (clip these, not the module's)."""

@@ -36,13 +36,13 @@ calls :meth:`LowPrecisionOptimizer.step`.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from amp_fx.config import AmpConfig
+from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer
 
 from .low_precision_update import COMPENSATION_DTYPE, merge_compensated, split_compensated, stochastic_round
 from .modules import unwrap_compiled
@@ -73,7 +73,7 @@ def _check_module(module: nn.Module) -> None:
         )
 
 
-class LowPrecisionOptimizer(torch.optim.Optimizer):
+class LowPrecisionOptimizer(WrappedOptimizer):
     """Step a low-precision module's parameters in fp32 scratch and round once: no fp32 masters.
 
     Args:
@@ -137,13 +137,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self.seed = int(seed)
         self._scaler = scaler
         self._chunk_numel = chunk_numel
-        for hooks in (
-            "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-            "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-            "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
-        ):
-            setattr(self, hooks, OrderedDict())
-        self._patch_step_function()  # step hooks and profiling, as any Optimizer
+        self._init_face()
 
         self._names = {id(p): n for n, p in module.named_parameters()}
         self._compensation: dict[str, torch.Tensor] = {}
@@ -186,23 +180,6 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         return gen
 
     # ------------------------------------------------ the optimizer's face
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__.copy()
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return (f"LowPrecisionOptimizer({type(self.optimizer).__name__}, update={self.update!r}, "
