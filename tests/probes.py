@@ -1,10 +1,11 @@
-"""Test probes: record which ATen ops ran and in which dtypes."""
+"""Test probes: record which ATen ops ran and in which dtypes, and which graphs a backend was handed."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
 import torch
+import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_convolution",
@@ -53,3 +54,16 @@ def aot_capture():
         return compiler
 
     return aot_autograd(fw_compiler=keep(fw), bw_compiler=keep(bw)), fw, bw
+
+
+class Capture:
+    """Inner backend that keeps the graphs amp_fx hands over and runs them eagerly."""
+
+    def __init__(self):
+        self.graphs: list[fx.GraphModule] = []
+        self.autocast_on: list[bool] = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        self.autocast_on.append(torch.is_autocast_enabled("cpu"))
+        return gm.forward

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_fx
 import zoo
-from probes import aot_capture
+from probes import Capture, aot_capture
 from amp_fx.backend_graph import source_fqn, target_fqn
 from amp_fx.cast_nodes import is_inserted_cast
 
@@ -21,18 +20,6 @@ def _fresh_dynamo():
     yield
     torch._dynamo.reset()
 
-
-class Capture:
-    """Inner backend that keeps the graphs amp_fx hands over and runs them eagerly."""
-
-    def __init__(self):
-        self.graphs: list[fx.GraphModule] = []
-        self.autocast_on: list[bool] = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        self.autocast_on.append(torch.is_autocast_enabled("cpu"))
-        return gm.forward
 
 
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import amp_fx
-from probes import aot_capture
+from probes import Capture, aot_capture
 
 
 @pytest.fixture(autouse=True)
@@ -18,17 +18,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-class Capture:
-    """Inner backend that keeps the graph amp_fx hands over and runs it eagerly."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        return gm.forward
 
 
 class Block(nn.Module):
