@@ -113,6 +113,15 @@ FP32: Mapping[str, str] = MappingProxyType({
         "upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d",
         "upsample_bicubic2d", "interpolate",
     ),
+    # No low-precision kernel at all (CPU autocast runs them in fp32): FFTs,
+    # dense linear algebra, quantiles.  Left to follow a low input, they fail.
+    **_group(
+        "no fp16/bf16 kernel: FFT, linear algebra and quantiles run in fp32 (autocast's CPU float32 list)",
+        "fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "fft_fft2", "fft_rfft2", "fft_fftn", "fft_rfftn",
+        "fft_hfft", "linalg_solve", "linalg_inv", "linalg_eigh", "linalg_eigvalsh", "linalg_eig", "linalg_svd",
+        "linalg_svdvals", "linalg_det", "linalg_slogdet", "linalg_cholesky", "linalg_qr", "linalg_pinv",
+        "linalg_lstsq", "quantile", "nanquantile", "polar",
+    ),
 })
 
 # --------------------------------------------------------------------------

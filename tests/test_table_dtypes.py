@@ -184,6 +184,30 @@ def fp32_cases():
         "interpolate": [("functional", Call(lambda m, t: F.interpolate(t, scale_factor=2)), (r(1, 2, 3, 3),)),
                         ("module", Wrap(nn.Upsample(scale_factor=2)), (r(1, 2, 3, 3),))],
     })
+    # Ops with no low-precision kernel: FFTs (complex results read through .abs()), linear algebra on an SPD matrix.
+    ffts = {"fft_fft": torch.fft.fft, "fft_ifft": torch.fft.ifft, "fft_rfft": torch.fft.rfft, "fft_irfft": torch.fft.irfft,
+            "fft_fft2": torch.fft.fft2, "fft_rfft2": torch.fft.rfft2, "fft_fftn": torch.fft.fftn, "fft_rfftn": torch.fft.rfftn,
+            "fft_hfft": torch.fft.hfft}
+    for name, fn in ffts.items():
+        cases[name] = [("torch", Call(lambda m, t, fn=fn: fn(t).abs()), (x,))]
+
+    def spd(t):
+        return t @ t.transpose(-1, -2) + 4 * torch.eye(t.shape[-1])
+
+    algebra = {
+        "linalg_solve": lambda a: torch.linalg.solve(a, a), "linalg_inv": torch.linalg.inv,
+        "linalg_eigh": lambda a: torch.linalg.eigh(a)[0], "linalg_eigvalsh": torch.linalg.eigvalsh,
+        "linalg_eig": lambda a: torch.linalg.eig(a)[0].real, "linalg_svd": lambda a: torch.linalg.svd(a)[1],
+        "linalg_svdvals": torch.linalg.svdvals, "linalg_det": torch.linalg.det,
+        "linalg_slogdet": lambda a: torch.linalg.slogdet(a)[1], "linalg_cholesky": torch.linalg.cholesky,
+        "linalg_qr": lambda a: torch.linalg.qr(a)[1], "linalg_pinv": torch.linalg.pinv,
+        "linalg_lstsq": lambda a: torch.linalg.lstsq(a, a)[0],
+    }
+    for name, fn in algebra.items():
+        cases[name] = [("torch", Call(lambda m, t, fn=fn: fn(spd(t))), (r(4, 4),))]
+    cases["quantile"] = [("torch", Call(lambda m, t: torch.quantile(t, 0.5, dim=-1)), (x,))]
+    cases["nanquantile"] = [("torch", Call(lambda m, t: torch.nanquantile(t, 0.5, dim=-1)), (x,))]
+    cases["polar"] = [("torch", Call(lambda m, t: torch.view_as_real(torch.polar(t.abs(), t))), (x,))]
     return cases
 
 
