@@ -12,7 +12,7 @@ from amp_fx.analysis import alias_root, arrives_as
 from amp_fx.cast_cache import cached_cast
 from amp_fx.casts import amp_cast
 
-__all__ = ["is_inserted_cast", "is_model_cast", "cast_source", "cast_target", "CastBuilder"]
+__all__ = ["is_inserted_cast", "is_model_cast", "cast_source", "cast_target", "written_cast_dtype", "CastBuilder"]
 
 _NAMED_CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
 # Keys a cast copies from the value it reads: same tensor, same place in the model.
@@ -48,6 +48,20 @@ def cast_target(node: fx.Node) -> Optional[torch.dtype]:
         dtype = node.args[1]
         if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
             return dtype
+    return None
+
+
+def written_cast_dtype(node: fx.Node) -> Optional[torch.dtype]:
+    """The floating dtype a cast the model wrote produces, in any spelling: ``x.float()``, ``x.to(torch.float32)``,
+    ``x.to(dtype=...)``, ``aten._to_copy(x, dtype=...)`` / ``aten.to.dtype`` (torch.export); None when not known."""
+    simple = cast_target(node)
+    if simple is not None:
+        return simple
+    if node.op not in ("call_function", "call_method"):
+        return None
+    for arg in list(node.args[1:]) + [node.kwargs.get("dtype")]:
+        if isinstance(arg, torch.dtype):
+            return arg if arg.is_floating_point else None
     return None
 
 

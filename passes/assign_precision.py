@@ -32,7 +32,7 @@ import torch.fx as fx
 from amp_fx import regions, tables
 from amp_fx.declared_precision import declared_precision, policy_target
 from amp_fx.errors import BannedOpError, UnknownOpError
-from amp_fx.cast_nodes import cast_target
+from amp_fx.cast_nodes import written_cast_dtype
 from amp_fx.op_keys import CAST_OPS
 from amp_fx.pass_manager import PassContext, PassResult
 
@@ -123,14 +123,25 @@ def _decide(node: fx.Node, ctx: PassContext) -> tuple[str, str, str]:
 
 def _widening_model_cast(node: fx.Node) -> bool:
     """A cast the model itself wrote to float32/float64 (``x.float()``, ``x.to(torch.float32)``)."""
-    return node.meta.get("amp_fx.op") in CAST_OPS and cast_target(node) in (torch.float32, torch.float64)
+    return node.meta.get("amp_fx.op") in CAST_OPS and written_cast_dtype(node) in (torch.float32, torch.float64)
+
+
+def _asserted_full_precision(node: fx.Node) -> bool:
+    """torch.export kept the model's ``x.float()`` on an fp32 ``x`` only as a dtype check: the model asked for fp32."""
+    return any(u.meta.get("amp_fx.op") == "_assert_tensor_metadata" and u.kwargs.get("dtype") in (torch.float32, torch.float64)
+               for u in node.users)
+
+
+def _moves_only(node: fx.Node) -> bool:
+    """Data movement, or a ``.to(device)`` that changes no dtype."""
+    op = node.meta.get("amp_fx.op")
+    return op in tables.DATA_MOVEMENT or (op in CAST_OPS and written_cast_dtype(node) is None)
 
 
 def _read_only_widened(node: fx.Node) -> bool:
-    """Every use of ``node`` (through views) is a cast the model wrote to full precision."""
-    users = list(node.users)
-    return bool(users) and all(
-        _widening_model_cast(u) or (u.meta.get("amp_fx.op") in tables.DATA_MOVEMENT and _read_only_widened(u)) for u in users)
+    """Every use of ``node`` (through views and device moves) is a cast the model wrote to full precision."""
+    users = [u for u in node.users if u.meta.get("amp_fx.op") not in tables.EXPORT_CHECKS]
+    return bool(users) and all(_widening_model_cast(u) or (_moves_only(u) and _read_only_widened(u)) for u in users)
 
 
 def _respect_model_casts(node: fx.Node, decision: str, reason: str, rule: str, wide: set, ctx: PassContext) -> tuple[str, str, str]:
@@ -143,16 +154,28 @@ def _respect_model_casts(node: fx.Node, decision: str, reason: str, rule: str, w
     """
     if ctx.config.op_mode != "all_low":
         return decision, reason, rule
-    if node.op == "get_attr" and _read_only_widened(node):
+    if node.op == "get_attr" and (_read_only_widened(node) or _asserted_full_precision(node)):
         node.meta["amp_fx.keep_fp32"] = True
+        wide.add(node)
     if _widening_model_cast(node):
         wide.add(node)
         return decision, reason, rule
+    if node.op in ("get_attr", "placeholder"):
+        return decision, reason, rule
     reads_wide = any(n in wide for n in node.all_input_nodes)
+    # torch.export dropped the model's x.float() (x was fp32 when traced) and kept a dtype check: its readers
+    # get the fp32 the model asked for.
+    reads_asserted = any(n.op not in ("get_attr", "placeholder") and _asserted_full_precision(n) for n in node.all_input_nodes)
+    if reads_wide and node.meta.get("amp_fx.op") in CAST_OPS and written_cast_dtype(node) is None:
+        wide.add(node)  # a .to(device) of a full-precision value
+        return decision, reason, rule
     # GEMMs, convolutions, norms and leaf modules run with their (low) parameters: they stay low.
     with_params = node.meta.get("amp_fx.op") in tables.LOW or node.meta.get("amp_fx.op") in tables.NORM_OPS \
         or node.op == "call_module"
-    if reads_wide and rule == "level" and decision == "low" and not with_params:
+    if reads_asserted and rule == "level" and decision in ("low", "follow") and not with_params:
+        decision, reason, rule = "fp32", f"{ctx.config.level}: the model casts this input to full precision", "model"
+        wide.add(node)
+    elif reads_wide and rule == "level" and decision == "low" and not with_params:
         decision, reason, rule = "follow", f"{ctx.config.level}: follows the model's own cast to full precision", "model"
     if reads_wide and decision == "follow":
         wide.add(node)

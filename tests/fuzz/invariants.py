@@ -221,7 +221,7 @@ def _check_report(gm: Any, level: str) -> None:
             continue
         assert record.decision == node.meta.get("amp_fx.decision")
         expected = _expected_decision(op, bool(node.meta.get("amp_fx.inplace")), config)
-        if record.rule == "model" and record.decision == "follow":  # O2/O3: follows the model's own x.float()
+        if record.rule == "model" and record.decision in ("follow", "fp32"):  # O2/O3: the model's own x.float()
             assert expected in ("low", "follow") and op not in tables.LOW, f"{node.name} ({op}) followed a model cast"
             continue
         if record.rule == "min-cut" and record.decision != expected:  # minimize_casts may move a FOLLOW op to either side

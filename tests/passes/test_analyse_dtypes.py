@@ -449,3 +449,15 @@ def test_the_report_says_a_guarded_cast_only_casts_floating_inputs():
     assert [r.dtype for r in entry] == ["bfloat16 if floating"]
     ids = torch.randint(0, 10, (3,))
     assert gm(ids, torch.randn(3, 4)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_export_keeps_the_models_float_cast_it_dropped(level):
+    """torch.export drops ``h.float()`` on an fp32 h and keeps only a dtype check; at O2/O3 the readers still get
+    the fp32 the model asked for (rule 'model'), the GEMM still runs low."""
+    model, x = ExportOnlyRotary(), torch.randn(2, 5, 8)
+    gm = amp_fx.convert(model, level, example_inputs=(x,))
+    readers = [r for r in gm.amp_report.nodes if r.rule == "model"]
+    assert readers and all(r.dtype == "float32" for r in readers)
+    assert all(r.decision == "low" for r in gm.amp_report.nodes if r.op in ("linear", "addmm", "mm"))
+    _close(gm(x), model(x), tol=0.03)
