@@ -101,3 +101,15 @@ def eager_autocast(model: nn.Module, *args: Any, dtype: torch.dtype = torch.bflo
     """The reference: the model run eagerly under torch.autocast on CPU."""
     with torch.autocast("cpu", dtype=dtype):
         return model(*args)
+
+
+class RoundST(torch.autograd.Function):
+    """Straight-through rounding: round forward, identity backward (the classic STE a trace must not drop)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad

@@ -16,6 +16,7 @@ import torch.utils.checkpoint
 from torch.utils.checkpoint import checkpoint
 
 import amp_fx
+from routes import RoundST
 from amp_fx.checkpoint_regions import CheckpointedRegion
 
 
@@ -170,16 +171,6 @@ def test_backend_route_runs_the_checkpointed_model():
     torch.testing.assert_close(out.float(), expected.float(), rtol=5e-2, atol=5e-2)
     out.float().sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
-
-
-class RoundST(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.round()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
 
 
 class Quantizing(nn.Module):

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_fx
+from routes import RoundST
 from amp_fx.errors import AmpError, UnsupportedConstructError
 
 
@@ -211,16 +212,6 @@ class ShapeBranch(nn.Module):
         if x.shape[-1] == 8:
             x = x * 1.0
         return self.inner(x)
-
-
-class RoundST(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.round()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
 
 
 class WithFunction(nn.Module):
