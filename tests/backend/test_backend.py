@@ -14,13 +14,6 @@ from amp_fx.backend_graph import source_fqn, target_fqn
 from amp_fx.cast_nodes import is_inserted_cast
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 import torch.nn as nn
 from functorch.compile import make_boxed_func
@@ -17,13 +16,6 @@ from amp_fx.passes.assign_precision import assign_precision
 from amp_fx.passes.honour_autocast_regions import honour_autocast_regions, is_autocast_enter, is_autocast_exit
 from amp_fx.passes.propagate_meta import propagate_meta
 from amp_fx.policy import Policy
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 class Regions(nn.Module):

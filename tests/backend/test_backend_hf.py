@@ -12,13 +12,6 @@ import amp_fx
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def _gpt2():
     config = transformers.GPT2Config(
         n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0,

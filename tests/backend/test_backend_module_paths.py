@@ -11,13 +11,6 @@ import torch.nn as nn
 import amp_fx
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 class Net(nn.Module):
     def __init__(self):
         super().__init__()

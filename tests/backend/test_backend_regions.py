@@ -13,13 +13,6 @@ import amp_fx
 from probes import Capture, aot_capture
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 class Block(nn.Module):
     def __init__(self, width=32):
         super().__init__()

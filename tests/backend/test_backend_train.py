@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 import torch.nn.functional as F
 
 import amp_fx
 import zoo
 from probes import aot_capture
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 
