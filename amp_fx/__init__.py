@@ -5,16 +5,15 @@ precision from allow / deny / promote tables, inserts explicit casts, and
 returns a GraphModule with a report of every decision.
 """
 
-from amp_fx.api import convert
-# Imported eagerly: ``amp_fx.backend`` names both this function and its
-# module, and importing the module later must not rebind the package name.
-from amp_fx.backend import backend, last_report
-from amp_fx.config import AmpConfig, LEVELS
+from amp_fx import _moved
+from amp_fx.core.api import convert
+from amp_fx.dynamo.backend import AmpBackend, backend, last_report
+from amp_fx.core.config import AmpConfig, LEVELS
 from amp_fx.errors import AlreadyConvertedError, AmpError, BannedOpError, UnknownOpError
-from amp_fx.graph_module import AmpGraphModule
-from amp_fx.policy import Policy
-from amp_fx.report import ConversionReport, NodeRecord
-from amp_fx.tracing import AmpTraceError
+from amp_fx.core.graph_module import AmpGraphModule
+from amp_fx.core.policy import Policy
+from amp_fx.core.report import ConversionReport, NodeRecord
+from amp_fx.frontend.tracing import AmpTraceError
 
 # Public names that live in modules with heavier imports (networkx, Dynamo,
 # the runtime): loaded on first use, so ``import amp_fx`` stays light.
@@ -24,19 +23,19 @@ _LAZY = {
     "MasterWeightOptimizer": "amp_fx.runtime",
     "LowPrecisionOptimizer": "amp_fx.runtime",
     # Apex-style API
-    "initialize": "amp_fx.apex",
-    "scale_loss": "amp_fx.apex",
-    "state_dict": "amp_fx.apex",
-    "load_state_dict": "amp_fx.apex",
-    "master_params": "amp_fx.apex",
-    "loss_scalers": "amp_fx.apex",
+    "initialize": "amp_fx.apex.amp",
+    "scale_loss": "amp_fx.apex.amp",
+    "state_dict": "amp_fx.apex.amp",
+    "load_state_dict": "amp_fx.apex.amp",
+    "master_params": "amp_fx.apex.amp",
+    "loss_scalers": "amp_fx.apex.amp",
     # views and debugging tools
-    "diff": "amp_fx.views",
-    "to_networkx": "amp_fx.views",
-    "draw": "amp_fx.views",
-    "summary": "amp_fx.views",
-    "find_overflow": "amp_fx.overflow",
-    "calibrate": "amp_fx.calibration",
+    "diff": "amp_fx.inspection.views",
+    "to_networkx": "amp_fx.inspection.views",
+    "draw": "amp_fx.inspection.views",
+    "summary": "amp_fx.inspection.views",
+    "find_overflow": "amp_fx.inspection.find_overflow",
+    "calibrate": "amp_fx.inspection.calibration",
 }
 
 
@@ -51,7 +50,10 @@ def __getattr__(name: str):
     return value
 
 
+_moved.install()  # old flat module paths (amp_fx.casts, amp_fx.views, ...) still import, with a warning
+
 __all__ = [*_LAZY,
+    "AmpBackend",
     "backend",
     "last_report",
     "convert",

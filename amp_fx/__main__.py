@@ -1,9 +1,9 @@
-"""``python -m amp_fx``: the command line (see :mod:`amp_fx.cli`)."""
+"""``python -m amp_fx``: the command line (see :mod:`amp_fx.inspection.cli`)."""
 
 import os
 import sys
 
-from amp_fx.cli import main
+from amp_fx.inspection.cli import main
 
 if __name__ == "__main__":
     try:

@@ -55,7 +55,7 @@ def train_gradscaler(model, batches, level, dtype, inject=None, scales=None, **s
 
 def train_apex(model, batches, level, dtype, inject=None, scales=None, growth_interval=None, **properties):
     gm, optimizer = setup_apex(model, level, dtype, **properties)
-    scaler = amp_fx.apex.loss_scalers()[0]
+    scaler = amp_fx.apex.amp.loss_scalers()[0]
     if growth_interval is not None:
         scaler.set_growth_interval(growth_interval)
     skipped = []

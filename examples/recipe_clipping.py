@@ -4,7 +4,7 @@
 
 GradScaler style: ``scaler.unscale_(opt)`` then ``clip_grad_norm_``; Apex
 style: the gradients are already unscaled when the ``scale_loss`` block ends,
-so clip ``amp_fx.apex.master_params(opt)`` right after it. At O2 the clipped
+so clip ``amp_fx.apex.amp.master_params(opt)`` right after it. At O2 the clipped
 gradients are the fp32 masters'. Each run lands within a few ulps of fp32
 training with the same clipping; the step with an injected NaN is skipped.
 """
@@ -51,7 +51,7 @@ def train_gradscaler(model, batches, level, dtype, inject=None):
 
 def train_apex(model, batches, level, dtype, inject=None):
     gm, optimizer = setup_apex(model, level, dtype)
-    scaler = amp_fx.apex.loss_scalers()[0]
+    scaler = amp_fx.apex.amp.loss_scalers()[0]
     skipped = []
     for step, (x, y) in enumerate(batches):
         optimizer.zero_grad()
@@ -60,7 +60,7 @@ def train_apex(model, batches, level, dtype, inject=None):
             if maybe(inject, step):
                 poison_(gm, maybe(inject, step))
         # Unscaled as the block ended: clip the gradients the optimizer will use.
-        torch.nn.utils.clip_grad_norm_(amp_fx.apex.master_params(optimizer), MAX_NORM)
+        torch.nn.utils.clip_grad_norm_(amp_fx.apex.amp.master_params(optimizer), MAX_NORM)
         if optimizer.step() is False:  # the skipped step returns False
             skipped.append(step)
     assert scaler.skipped_steps == len(skipped)

@@ -54,7 +54,7 @@ def train(api, level, dtype, batches, rank=None, inject=None, first_grads=None):
         gm, optimizer, scaler = setup_gradscaler(model, level, dtype)
     else:
         gm, optimizer = setup_apex(model, level, dtype)
-        scaler = amp_fx.apex.loss_scalers()[0]
+        scaler = amp_fx.apex.amp.loss_scalers()[0]
     net = DDP(gm) if rank is not None else gm  # wrap the converted module, after convert/initialize
     skipped = []
     for step, (x, y) in enumerate(batches):

@@ -57,7 +57,7 @@ def train_gradscaler(model, batches, level, dtype, inject=None):
 
 def train_apex(model, batches, level, dtype, inject=None):
     gm, optimizer = setup_apex(model, level, dtype)
-    scaler = amp_fx.apex.loss_scalers()[0]  # loss_id 0's scaler: its scale is the one scale_loss uses
+    scaler = amp_fx.apex.amp.loss_scalers()[0]  # loss_id 0's scaler: its scale is the one scale_loss uses
     skipped = []
     for step, (x, y) in enumerate(batches):
         optimizer.zero_grad()

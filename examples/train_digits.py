@@ -72,7 +72,7 @@ def _setup(model: nn.Module, level: str, dtype, api: str):
     if api == "apex":
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         gm, optimizer = amp_fx.initialize(model, optimizer, opt_level=level, dtype=dtype, verbosity=0)
-        return gm, optimizer, None, amp_fx.apex.loss_scalers()
+        return gm, optimizer, None, amp_fx.apex.amp.loss_scalers()
     gm = amp_fx.convert(model, level, dtype=dtype)
     if level == "O2":  # the model's fp32 parameters are the masters
         optimizer = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM), gm)

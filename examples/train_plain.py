@@ -48,7 +48,7 @@ def train_gradscaler(model, batches, level, dtype, inject=None):
 def train_apex(model, batches, level, dtype, inject=None):
     """Apex: ``with amp_fx.scale_loss(loss, opt) as s: s.backward()`` then ``opt.step()``."""
     gm, optimizer = setup_apex(model, level, dtype)
-    scaler = amp_fx.apex.loss_scalers()[0]
+    scaler = amp_fx.apex.amp.loss_scalers()[0]
     skipped = []
     for step, (x, y) in enumerate(batches):
         optimizer.zero_grad()

@@ -18,8 +18,8 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from amp_fx.pass_manager import PassContext, PassResult
-from amp_fx.tables import NORM_OPS
+from amp_fx.core.pass_manager import PassContext, PassResult
+from amp_fx.core.tables import NORM_OPS
 
 __all__ = ["cast_params", "norm_tensor_names"]
 

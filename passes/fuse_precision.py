@@ -20,7 +20,7 @@ A node is fused when (checked on the dtype analysis of the final paint):
    with an fp32 result keeps the cast form, since fusing would round its input.
 
 The node keeps its ``fp32`` decision (the report shows it with a "fused"
-reason) and is marked ``meta.FUSED``; :func:`amp_fx.analysis.input_target`
+reason) and is marked ``meta.FUSED``; :func:`amp_fx.core.analysis.input_target`
 then asks for its inputs as they arrive, and the analysis is re-run so every
 reader sees the low result.  ``insert_casts`` writes no cast for it.
 
@@ -43,9 +43,9 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from amp_fx import meta, tables
-from amp_fx.analysis import analyse, input_target, node_inputs
-from amp_fx.pass_manager import PassContext, PassResult
+from amp_fx.core import meta, tables
+from amp_fx.core.analysis import analyse, input_target, node_inputs
+from amp_fx.core.pass_manager import PassContext, PassResult
 
 __all__ = ["fuse_precision", "FUSED_FORMS"]
 

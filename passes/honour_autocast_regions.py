@@ -1,13 +1,13 @@
 """Rewrite: keep the model's own grad-mode and autocast regions, on every route.
 
-The regions arrive as marker nodes (:mod:`amp_fx.regions`): written by
+The regions arrive as marker nodes (:mod:`amp_fx.frontend.regions`): written by
 AmpTracer on the symbolic route, inlined from torch.export's higher-order
 ops on the export route, and written by Dynamo itself under the compiler
 backend.  This pass runs after ``assign_precision`` (the paint exists) and
 before ``insert_casts`` (nothing is cast yet):
 
 1. Walk the graph in order with the stack of open regions
-   (:func:`amp_fx.regions.region_stacks`); for autocast, only regions of the
+   (:func:`amp_fx.frontend.regions.region_stacks`); for autocast, only regions of the
    graph's device type count, and the innermost one is in force.
 2. ``autocast(enabled=False)``: every computing node is pinned to fp32
    (decision "fp32", rule "autocast"), as the model wrote it for fp32 weights,
@@ -38,11 +38,11 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from amp_fx import tables
-from amp_fx.pass_manager import PassContext, PassResult
-from amp_fx.regions_export import NOTES_ATTR
-from amp_fx.regions import LOW_DTYPE_KEY, Region, autocast_rule, marker_role, region_stacks, separate_grad_reads
-from amp_fx.train_flags import FROZEN_ATTR
+from amp_fx.core import tables
+from amp_fx.core.pass_manager import PassContext, PassResult
+from amp_fx.frontend.regions_export import NOTES_ATTR
+from amp_fx.frontend.regions import LOW_DTYPE_KEY, Region, autocast_rule, marker_role, region_stacks, separate_grad_reads
+from amp_fx.frontend.train_flags import FROZEN_ATTR
 
 __all__ = ["honour_autocast_regions", "is_autocast_enter", "is_autocast_exit"]
 

@@ -17,7 +17,7 @@ every *free* node:
    ops with ``dtype=`` and anything else are not, and the values they read
    keep their dtype: they compute what they computed before.
 3. A cast weighs the bytes it reads plus writes (sizes from the dtype
-   analysis, :func:`amp_fx.analysis.numel_estimates`, which estimates where
+   analysis, :func:`amp_fx.core.analysis.numel_estimates`, which estimates where
    shapes are unknown).  Integer, bool and non-tensor values cost
    nothing.  A value is cast once per dtype however many readers it has: an
    auxiliary vertex per value and direction makes the cut pay it once.
@@ -29,7 +29,7 @@ every *free* node:
 6. A free node whose new dtype is not what following its inputs gives is
    repainted ``"low"``/``"fp32"`` (reason ``"placed low: min-cut"``);
    ``insert_casts`` writes the casts.  The placement is kept only if the casts
-   it implies (:func:`amp_fx.analysis.planned_casts`, read off the dtype
+   it implies (:func:`amp_fx.core.analysis.planned_casts`, read off the dtype
    analysis of each paint) move fewer bytes than the greedy placement's.
 
 Graph inputs whose dtype is unknown (no example inputs) are costed as fp32:
@@ -49,10 +49,10 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from amp_fx import meta
-from amp_fx.analysis import Analysis, ValueInfo, analyse, explicit_dtype, mutated_values, promoting_inputs
-from amp_fx.cast_costs import ELEMENT_SIZE, numel_estimates, planned_casts, static_numel
-from amp_fx.pass_manager import PassContext, PassResult
+from amp_fx.core import meta
+from amp_fx.core.analysis import Analysis, ValueInfo, analyse, explicit_dtype, mutated_values, promoting_inputs
+from amp_fx.core.cast_costs import ELEMENT_SIZE, numel_estimates, planned_casts, static_numel
+from amp_fx.core.pass_manager import PassContext, PassResult
 
 __all__ = ["minimize_casts", "CastProblem", "build_problem", "measure_cast_bytes", "cost_view"]
 

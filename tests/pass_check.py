@@ -14,8 +14,8 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
-from amp_fx.config import make_config
-from amp_fx.pass_manager import PassContext, run_passes
+from amp_fx.core.config import make_config
+from amp_fx.core.pass_manager import PassContext, run_passes
 from amp_fx.passes.analyse_dtypes import analyse_dtypes
 from amp_fx.passes.assign_precision import assign_precision
 from amp_fx.passes.cast_params import cast_params
@@ -24,8 +24,8 @@ from amp_fx.passes.fold_casts import fold_casts
 from amp_fx.passes.fuse_precision import fuse_precision
 from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.propagate_meta import propagate_meta
-from amp_fx.policy import Policy
-from amp_fx.tracing import trace_model
+from amp_fx.core.policy import Policy
+from amp_fx.frontend.tracing import trace_model
 
 PIPELINE = [propagate_meta, assign_precision, cast_params, analyse_dtypes, fuse_precision, insert_casts, dedupe_casts, fold_casts]
 

@@ -12,7 +12,7 @@ ON_COLLAPSE = ("raise", "diagnose")
 class LossScaleCollapseError(RuntimeError):
     """Gradients still overflow at the minimum loss scale: fp16 cannot train this as is.
 
-    ``diagnosis`` holds an :class:`amp_fx.overflow.OverflowReport` when the
+    ``diagnosis`` holds an :class:`amp_fx.inspection.find_overflow.OverflowReport` when the
     scaler was built with ``on_collapse="diagnose"`` and a way to reproduce
     the step; otherwise None.
     """
@@ -36,7 +36,7 @@ def collapse_error(min_scale: float, streak: int, loss_scale: float, on_collapse
     )
     diagnosis = None
     if on_collapse == "diagnose" and reproduce is not None:
-        from amp_fx.overflow import diagnose_collapse  # lazy: the runtime itself needs no fx
+        from amp_fx.inspection.find_overflow import diagnose_collapse  # lazy: the runtime itself needs no fx
 
         try:
             diagnosis = diagnose_collapse(lambda: _uncompiled(reproduce()), loss_scale=loss_scale)

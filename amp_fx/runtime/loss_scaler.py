@@ -84,7 +84,7 @@ class LossScaler(ScalerStateMixin):
             node that overflowed (and the policy that pins it) in the error.
         reproduce: for ``on_collapse="diagnose"``: a function with no
             arguments returning ``(converted_module, inputs[, target[,
-            loss_fn]])`` (or an ``amp_fx.overflow.ReproStep``) for one step;
+            loss_fn]])`` (or an ``amp_fx.inspection.find_overflow.ReproStep``) for one step;
             keep the last batch and return it.
         level: the opt level this scaler serves (e.g. ``"O2"``); stored in
             :meth:`state_dict`, and a state saved for another level is refused.

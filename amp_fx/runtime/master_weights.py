@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from amp_fx.config import AmpConfig
+from amp_fx.core.config import AmpConfig
 from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer
 
 from .distributed import is_dtensor, local_tensor, refuse_replaced_params, shard_like

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import amp_fx
 import zoo
 from probes import Capture, aot_capture
-from amp_fx.backend_graph import source_fqn, target_fqn
-from amp_fx.cast_nodes import is_inserted_cast
+from amp_fx.dynamo.graph import source_fqn, target_fqn
+from amp_fx.core.cast_nodes import is_inserted_cast
 
 
 

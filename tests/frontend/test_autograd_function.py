@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import amp_fx
 from amp_fx.errors import UnsupportedConstructError
-from amp_fx.opaque_calls import FunctionCall
+from amp_fx.frontend.opaque_calls import FunctionCall
 
 SEEN: dict[str, list] = {}
 

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import amp_fx
 from routes import RoundST
-from amp_fx.checkpoint_regions import CheckpointedRegion
+from amp_fx.frontend.checkpoint_regions import CheckpointedRegion
 
 
 class Block(nn.Module):

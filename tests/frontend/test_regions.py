@@ -217,13 +217,13 @@ class Mixed(nn.Module):
 
 def test_the_region_pass_is_idempotent_and_reports_honestly():
     """A second run of honour_autocast_regions changes nothing; the first one says what it did."""
-    from amp_fx.config import make_config
-    from amp_fx.pass_manager import PassContext
+    from amp_fx.core.config import make_config
+    from amp_fx.core.pass_manager import PassContext
     from amp_fx.passes.assign_precision import assign_precision
     from amp_fx.passes.honour_autocast_regions import honour_autocast_regions
     from amp_fx.passes.propagate_meta import propagate_meta
-    from amp_fx.policy import Policy
-    from amp_fx.tracing import trace_model
+    from amp_fx.core.policy import Policy
+    from amp_fx.frontend.tracing import trace_model
 
     gm, _ = trace_model(Mixed())
     ctx = PassContext(config=make_config("O1", dtype=torch.bfloat16), policy=Policy.coerce(None), route="symbolic_trace")

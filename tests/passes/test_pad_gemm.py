@@ -19,9 +19,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 import amp_fx
-from amp_fx.config import make_config
-from amp_fx.pass_manager import PassContext
-from amp_fx.pipeline import build_pipeline
+from amp_fx.core.config import make_config
+from amp_fx.core.pass_manager import PassContext
+from amp_fx.core.pipeline import build_pipeline
 from amp_fx.passes.pad_gemm import MIN_WORK, find_gemm, pad_gemm, should_pad
 
 ALIGN = 8

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
-from amp_fx.apex import AlreadyInitializedError, loss_scalers, master_params
+from amp_fx.apex.amp import AlreadyInitializedError, loss_scalers, master_params
 from amp_fx.runtime import LossScalerStateError, MasterWeightOptimizer
 
 
@@ -224,10 +224,10 @@ def test_bad_properties_are_refused_with_the_fix(kwargs, error, match):
 
 
 def test_verbosity_logs_the_chosen_properties(caplog):
-    with caplog.at_level(logging.INFO, logger="amp_fx.apex"):
+    with caplog.at_level(logging.INFO, logger="amp_fx.apex.amp"):
         amp_fx.initialize(make()[0], opt_level="O2", dtype=torch.bfloat16)
         amp_fx.initialize(make()[0], opt_level="O1", verbosity=0)
-    messages = [r.getMessage() for r in caplog.records if r.name == "amp_fx.apex"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "amp_fx.apex.amp"]
     assert len(messages) == 1 and "opt_level=O2" in messages[0] and "master_weights=True" in messages[0]
 
 

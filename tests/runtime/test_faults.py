@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "examples"))
 
 import amp_fx  # noqa: E402
-from amp_fx.apex import loss_scalers  # noqa: E402
+from amp_fx.apex.amp import loss_scalers  # noqa: E402
 from amp_fx.runtime import LossScaler, MasterWeightOptimizer  # noqa: E402
 from _common import make_batches, make_net, poison_  # noqa: E402
 
@@ -189,7 +189,7 @@ def restore(api, state):
 
 def final_state(gm, opt, scaler):
     return {"module": {n: p.detach().clone() for n, p in gm.named_parameters()},
-            "masters": [p.detach().clone() for p in amp_fx.apex.master_params(opt)],
+            "masters": [p.detach().clone() for p in amp_fx.apex.amp.master_params(opt)],
             "optimizer": copy.deepcopy(opt.state_dict()), "scaler": scaler.state_dict()}
 
 

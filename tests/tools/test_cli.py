@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from amp_fx import tables
-from amp_fx.cli import main
+from amp_fx.core import tables
+from amp_fx.inspection.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

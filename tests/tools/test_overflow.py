@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 import amp_fx
-from amp_fx.overflow import OverflowReport, ReproStep, diagnose_collapse
+from amp_fx.inspection.find_overflow import OverflowReport, ReproStep, diagnose_collapse
 from planted_models import BigBackward, PlantedAttention
 
 FP16 = torch.float16

@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 import amp_fx
-from amp_fx import tables
-from amp_fx.views_draw import COLOURS, dot_source
+from amp_fx.core import tables
+from amp_fx.inspection.draw import COLOURS, dot_source
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -73,7 +73,7 @@ def test_diff_marks_exactly_the_inserted_casts(known):
     assert any(line.startswith("-") and "linear(x, fc_weight, fc_bias)" in line for line in text.splitlines())
     assert "= None" not in text
     # A GraphModule works as the "before" too, and gives the same diff.
-    from amp_fx.tracing import trace_model
+    from amp_fx.frontend.tracing import trace_model
 
     assert amp_fx.diff(trace_model(model)[0], converted).splitlines()[2:] == text.splitlines()[2:]
 

@@ -1,0 +1,456 @@
+"""The one dtype analysis: each value's dtype, shape and aliasing in the *rewritten* program.
+
+Autocast decides at every dispatch; amp_fx decides ahead of time, and this
+module is where it learns what every value will be once the casts are in.
+Nothing else in amp_fx models dtypes: ``insert_casts``, ``minimize_casts``,
+``pad_gemm``, the report and the views all read this answer.
+
+The algorithm, one walk over the graph in order:
+
+1. Read the node's paint (``amp_fx.decision``) and work out the dtype each of
+   its floating inputs arrives in after ``insert_casts``
+   (:func:`input_target`): ``low`` and ``fp32`` cast them, ``promote`` casts
+   them to the widest among them, anything else leaves them as they are.
+   float64 is never cast, as under autocast.
+2. Fake mode (example inputs given, or a graph from Dynamo / torch.export):
+   cast the inputs' fake values to those dtypes and run the op's fake/meta
+   kernel.  The output's dtype and shape are read off the result.  A program
+   that is legal under ``torch.autocast`` is therefore legal here by
+   construction: low inputs into fp32 modules, promote-list ops with mixed
+   dtypes, RNNs fed bf16.  The *original* program is never replayed.
+3. A node that cannot be fake-run (a data-dependent result such as
+   ``torch.equal``, no meta kernel, an opaque custom op) is recorded as
+   unknown, with the reason; the walk goes on, and its readers fall back to
+   step 4 (their casts are then guarded at run time by ``amp_cast``).
+4. Dtype-only mode (no example inputs, or an unknown input): the result rule
+   of the op, derived from the tables (:func:`amp_fx.core.dtype_rules.rule_value`).  Graph inputs'
+   dtypes are unknown: nothing is assumed about them.
+
+Every node gets a :class:`ValueInfo` under ``meta.VALUE`` and the flat keys
+of :mod:`amp_fx.core.meta` (``IS_TENSOR``, ``IS_FLOAT``, ``FLOAT_DTYPE``,
+``SHAPE``, ``CONTAINER``).  The result rules of dtype-only mode live in
+:mod:`amp_fx.core.dtype_rules`; :mod:`amp_fx.core.cast_costs` turns an analysis into the
+casts ``insert_casts`` will write and the bytes they move.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_arg
+from torch.utils import _pytree as pytree
+
+from amp_fx.core import meta, tables
+from amp_fx.core.casts import amp_cast
+from amp_fx.core.dtype_rules import explicit_dtype, rule_value, widest
+from amp_fx.core.meta import ValueInfo, may_be_float_tensor
+from amp_fx.core.op_keys import CAST_OPS
+
+__all__ = [
+    "ValueInfo", "Analysis", "analyse", "input_target", "arrives_as", "explicit_dtype", "promoting_inputs",
+    "may_be_float_tensor", "node_inputs", "alias_root", "mutated_roots", "mutated_values", "eval_mode",
+    "placeholder_examples", "ALIASING_OPS", "CHECK_OPS",
+]
+
+
+# Ops whose result may share memory with their first input: views, and casts
+# (a cast to the dtype a tensor already has returns the tensor itself).
+ALIASING_OPS = tables.DATA_MOVEMENT | CAST_OPS
+# Checks that torch.export records: no result, no arithmetic; kept true to the rewrite by insert_casts.
+CHECK_OPS = tables.EXPORT_CHECKS
+
+
+@dataclass
+class Analysis:
+    """The answer for one paint: a :class:`ValueInfo` per node, and the nodes that could not be fake-run."""
+
+    values: dict[fx.Node, ValueInfo]
+    unknown: dict[str, str]
+    fake_mode: bool
+    read_as: dict[fx.Node, ValueInfo]  # O2/O3 graph inputs as their readers see them (after the entry cast)
+    decisions: dict[fx.Node, str]  # the paint analysed
+
+    @property
+    def complete(self) -> bool:
+        """Every graph input's value was known: no assumption about inputs changed this answer."""
+        return self.fake_mode and all(info.has_value for node, info in self.values.items() if node.op == "placeholder")
+
+    def write(self) -> None:
+        """Store this answer on its nodes (the analysis of the paint the rewrite will use)."""
+        for node, info in self.values.items():
+            info.write(node)
+            if node.op in ("placeholder", "get_attr") and info.dtype is not None:
+                node.meta[meta.ORIG_DTYPE] = info.dtype if node.meta.get(meta.DECISION) != "entry" else node.meta.get(meta.ORIG_DTYPE, info.dtype)
+
+
+
+@contextlib.contextmanager
+def eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    """Run in eval mode and restore every submodule's flag (so analysis updates no statistics)."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+# --------------------------------------------------------------------------
+# What a node asks of its inputs
+# --------------------------------------------------------------------------
+def node_inputs(node: fx.Node) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    map_arg((node.args, node.kwargs), lambda n: found.append(n) if n not in found else None)
+    return found
+
+
+def promoting_inputs(node: fx.Node, values: Mapping[fx.Node, ValueInfo]) -> list[fx.Node]:
+    """The floating inputs that decide a promoting op's dtype (0-dim tensors only when alone, as in torch)."""
+    inputs = [n for n in node_inputs(node) if may_be_float_tensor(values.get(n))]
+    dimensioned = [n for n in inputs if values[n].shape != ()]
+    return dimensioned or inputs
+
+
+def input_target(node: fx.Node, decision: str, low: torch.dtype, values: Mapping[fx.Node, ValueInfo]) -> Optional[torch.dtype]:
+    """The dtype ``node`` wants its floating inputs in under ``decision`` (None: as they arrive).
+
+    A node may carry its own low dtype (``meta.LOW_DTYPE``: a model's
+    ``torch.autocast(dtype=...)`` region asks for another low dtype there).
+    An fp32 node marked ``meta.FUSED`` (``passes/fuse_precision``) runs a
+    kernel that computes in fp32 from its low input and fp32 weights, which
+    already arrive so: it takes its inputs as they are.
+    """
+    if decision == "low":
+        return node.meta.get(meta.LOW_DTYPE) or low
+    if decision == "fp32":
+        return None if node.meta.get(meta.FUSED) else torch.float32
+    if decision == "promote":
+        return widest([values[n].float_dtype for n in dict.fromkeys(promoting_inputs(node, values))])
+    return None
+
+
+def arrives_as(info: ValueInfo, target: Optional[torch.dtype], with_value: bool = False) -> ValueInfo:
+    """``info`` as a node with input target ``target`` reads it (float64 and non-floats are never cast).
+
+    ``with_value``: cast the fake value too (a fake kernel runs; only when the op will be fake-run).
+    """
+    if target is None or not may_be_float_tensor(info) or info.float_dtype == torch.float64:
+        return info
+    if info.float_dtype == target:
+        return info
+    fake, has_value = None, False
+    if with_value and info.has_value:
+        fake, has_value = amp_cast(info.fake, target), True
+    if info.container:
+        return ValueInfo(False, False, target, container=True, fake=fake, has_value=has_value)
+    dtype = target if info.is_float else info.dtype
+    return ValueInfo(info.is_tensor, info.is_float, target, dtype, info.shape, fake=fake, has_value=has_value)
+
+
+# --------------------------------------------------------------------------
+# The walk
+# --------------------------------------------------------------------------
+def _fake_mode_of(examples: Mapping[fx.Node, Any]) -> Any:
+    """The FakeTensorMode the example values already belong to (Dynamo's, torch.export's, an earlier conversion's)."""
+    for value in examples.values():
+        for leaf in pytree.tree_leaves(value):
+            mode = getattr(leaf, "fake_mode", None)
+            if mode is not None:
+                return mode
+    return None
+
+
+def placeholder_examples(gm: fx.GraphModule, ctx: Any) -> dict[fx.Node, Any]:
+    """Each placeholder's example value: Dynamo's/export's own, or the example inputs bound by position and name."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    recorded = {n: meta.example_value(n) for n in placeholders if meta.example_value(n) is not None}
+    if recorded:
+        return recorded
+    # A graph converted before (re-run on its own output) keeps what its example inputs told.
+    previous = {n: n.meta[meta.VALUE].fake for n in placeholders
+                if getattr(n.meta.get(meta.VALUE), "has_value", False)}
+    if previous and (ctx is None or (ctx.example_inputs is None and not ctx.example_kwarg_inputs)):
+        return previous
+    if ctx is None or (ctx.example_inputs is None and not ctx.example_kwarg_inputs):
+        return {}
+    args = list(ctx.example_inputs or ())
+    kwargs = dict(ctx.example_kwarg_inputs or {})
+    bound: dict[fx.Node, Any] = {}
+    for index, node in enumerate(placeholders):
+        if index < len(args):
+            bound[node] = args[index]
+        elif str(node.target) in kwargs:
+            bound[node] = kwargs[str(node.target)]
+        else:
+            bound[node] = node.args[0] if node.args else None  # the parameter's default
+    return bound
+
+
+class _Walker:
+    """Runs the analysis walk for one paint (see the module docstring)."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: Any, paint: dict, low: torch.dtype,
+                 assume_inputs: Optional[torch.dtype], repaint: Optional[Callable[[fx.Node, ValueInfo], Optional[str]]]):
+        self.gm = gm
+        self.ctx = ctx
+        self.paint = paint
+        self.repaint = repaint
+        self.low = low
+        self.assume_inputs = assume_inputs
+        self.values: dict[fx.Node, ValueInfo] = {}
+        self.unknown: dict[str, str] = {}
+        self.read_as: dict[fx.Node, ValueInfo] = {}  # entry-cast inputs, as their readers see them
+        self.decisions: dict[fx.Node, str] = {}
+        self.examples = placeholder_examples(gm, ctx)
+        self.mode = None
+        if self.examples:
+            self.mode = _fake_mode_of(self.examples) or getattr(ctx, "fake_mode", None)
+            if self.mode is None:
+                from torch._subclasses.fake_tensor import FakeTensorMode
+
+                self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+                if ctx is not None:
+                    ctx.fake_mode = self.mode  # later analyses of this conversion reuse it, and its cached fakes
+        cache = getattr(ctx, "analysis_cache", None)
+        self.cache: dict = cache if cache is not None else {}
+
+    def _fake(self, value: Any) -> Any:
+        """A fake copy of a real tensor (fake ones are kept), so no kernel runs for real; made once per tensor."""
+        if isinstance(value, torch.Tensor) and not hasattr(value, "fake_mode"):
+            key = ("fake of", id(value), value._version)
+            if key not in self.cache:
+                # Only metadata matters here: an empty fake tensor of the same layout is made far more
+                # cheaply than from_tensor's full copy of the tensor's description.
+                try:
+                    with self.mode:
+                        fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+                except Exception:  # a layout empty_strided cannot make (sparse, quantized): describe it in full
+                    fake = self.mode.from_tensor(value, static_shapes=True)
+                self.cache[key] = (value, fake)  # holds value: its id stays unique while cached
+            return self.cache[key][1]
+        return value
+
+    def run(self) -> Analysis:
+        guard = self.mode if self.mode is not None else contextlib.nullcontext()
+        with guard, eval_mode(self.gm), torch.autocast("cpu", enabled=False):
+            for node in self.gm.graph.nodes:
+                info = self._visit(node)
+                new = self.repaint(node, info) if self.repaint is not None else None
+                if new is not None:
+                    self.paint[node] = new
+                    info = self._visit(node)
+                self.values[node] = info
+        return Analysis(self.values, self.unknown, self.mode is not None, self.read_as, self.decisions)
+
+    # -- one node ----------------------------------------------------------
+    def _visit(self, node: fx.Node) -> ValueInfo:
+        decision = self.paint.get(node) or node.meta.get(meta.DECISION, "follow")
+        self.decisions[node] = decision
+        if node.op == "placeholder":
+            return self._placeholder(node, decision)
+        if node.op == "get_attr":
+            value = _fetch_attr(self.gm, str(node.target))
+            if isinstance(value, torch.Tensor):
+                info = ValueInfo.of(self._fake(value) if self.mode is not None else value)
+                if self.mode is None:
+                    info.fake, info.has_value = None, False
+                return info
+            return ValueInfo.non_tensor()
+        if node.op == "output":
+            return ValueInfo.non_tensor()
+        op = node.meta.get(meta.OP)
+        if op in CHECK_OPS:
+            return ValueInfo.non_tensor()
+        if node.meta.get(meta.INPLACE) and node.args and isinstance(node.args[0], fx.Node):
+            # Written back into its first input (an fp32 in-place op is computed out of place, then copied back).
+            written = self.read_as.get(node.args[0], self.values[node.args[0]])
+            return ValueInfo(written.is_tensor, written.is_float, written.float_dtype, written.dtype, written.shape,
+                             fake=written.fake, has_value=written.has_value)
+        target = input_target(node, decision, self.low, self.values)
+        given = {n: self.read_as.get(n, self.values[n]) for n in node_inputs(node)}
+        inputs = {n: arrives_as(info, target) for n, info in given.items()}
+        if self.mode is not None and all(i.has_value for i in given.values()):
+            return self._fake_run(node, given, inputs, target, decision)
+        return rule_value(node, decision, inputs, target, self.gm)
+
+    def _placeholder(self, node: fx.Node, decision: str) -> ValueInfo:
+        if node in self.examples:
+            value = pytree.tree_map(self._fake, self.examples[node])
+            info = ValueInfo.of(value)
+        elif self.assume_inputs is not None:
+            info = ValueInfo(None, None, self.assume_inputs)  # for cost models only: nothing is assumed at run time
+        else:
+            info = ValueInfo()
+        if decision == "entry" and info.is_float is not False:
+            # O2/O3: every reader sees the entry cast, never the raw input.
+            self.read_as[node] = arrives_as(info, self.low, with_value=True)
+        return info
+
+    def _fake_run(self, node: fx.Node, given: dict[fx.Node, ValueInfo], inputs: dict[fx.Node, ValueInfo],
+                  target: Optional[torch.dtype], decision: str) -> ValueInfo:
+        """Run the op's fake kernel on its inputs cast as ``target`` asks; memoised per input dtypes."""
+        signature = (node, decision, target, tuple((n.name, i.float_dtype, i.dtype) for n, i in inputs.items()))
+        if signature in self.cache:
+            cached = self.cache[signature]
+            if cached.unknown:
+                self.unknown[node.name] = cached.unknown
+            return cached
+        # The same op on inputs of the same dtypes, shapes and strides gives the same result:
+        # a model's repeated layers are fake-run once.
+        described = map_arg((node.args, node.kwargs), lambda n: _Described(given[n], inputs[n]))
+        same_call = _call_key(node, *described, target)
+        if same_call is not None and same_call in self.cache:
+            info = dataclasses.replace(self.cache[same_call])
+        else:
+            fakes = {n: arrives_as(info, target, with_value=True).fake for n, info in given.items()}
+            args, kwargs = map_arg((node.args, node.kwargs), lambda n: fakes[n])
+            try:
+                result = _call(self.gm, node, args, kwargs, target)
+                info = ValueInfo.of(result)
+            except Exception as error:  # any failure: the node is unknown, the conversion goes on
+                reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
+                info = rule_value(node, decision, inputs, target, self.gm)
+                info.unknown = reason
+            if same_call is not None:
+                self.cache[same_call] = info
+        if info.unknown:
+            self.unknown[node.name] = info.unknown
+        self.cache[signature] = info
+        return info
+
+
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+@dataclass
+class _Described:
+    """An input as the call will receive it: its value before the cast, and its info after."""
+
+    before: ValueInfo
+    after: ValueInfo
+
+
+def _call_key(node: fx.Node, args: tuple, kwargs: dict, target: Optional[torch.dtype]) -> Optional[tuple]:
+    """A hashable description of a call by its inputs' metadata, or None when it cannot be described safely.
+
+    Only functions and methods (a module's forward may read any attribute);
+    only static shapes (a symbolic size stands for a value the key cannot see).
+    """
+    if node.op not in ("call_function", "call_method"):
+        return None
+    parts: list = []
+
+    def describe(value: Any) -> bool:
+        if isinstance(value, _Described):
+            fake = value.before.fake
+            if not isinstance(fake, torch.Tensor):
+                return describe(fake) if not value.before.container else False
+            if not all(isinstance(size, int) for size in (*fake.shape, *fake.stride())):
+                return False
+            parts.append(("t", value.after.dtype or fake.dtype, tuple(fake.shape), tuple(fake.stride()), fake.device.type))
+            return True
+        if isinstance(value, torch.Tensor):
+            if not all(isinstance(size, int) for size in (*value.shape, *value.stride())):
+                return False
+            parts.append(("t", value.dtype, tuple(value.shape), tuple(value.stride()), value.device.type))
+            return True
+        if isinstance(value, (list, tuple)):
+            parts.append(("(", type(value).__name__, len(value)))
+            return all(describe(item) for item in value)
+        if isinstance(value, slice):
+            return describe((value.start, value.stop, value.step))
+        if isinstance(value, _SCALARS) or value is Ellipsis:
+            parts.append(("v", type(value).__name__, value))
+            return True
+        return False
+
+    if not describe(args) or not describe(tuple(sorted(kwargs.items(), key=lambda item: item[0]))):
+        return None
+    return ("call", node.op, node.target, target, tuple(parts))
+
+
+def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    value: Any = gm
+    for atom in target.split("."):
+        value = getattr(value, atom, None)
+    return value
+
+
+def _call(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict, target: Optional[torch.dtype]) -> Any:
+    """Run ``node``'s op on fake inputs, as the rewritten program will (leaf modules with cast parameters)."""
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        self_arg, *rest = args
+        return getattr(self_arg, str(node.target))(*rest, **kwargs)
+    module = gm.get_submodule(str(node.target))
+    params = {name: p for name, p in module.named_parameters() if p.is_floating_point() and target is not None and p.dtype not in (target, torch.float64)}
+    if not params:
+        return module(*args, **kwargs)
+    return torch.func.functional_call(module, {name: p.to(target) for name, p in params.items()}, args, kwargs)
+
+
+def analyse(gm: fx.GraphModule, ctx: Any = None, paint: Optional[dict] = None, *,
+            low: Optional[torch.dtype] = None, store: bool = True, assume_inputs: Optional[torch.dtype] = None,
+            repaint: Optional[Callable[[fx.Node, ValueInfo], Optional[str]]] = None) -> Analysis:
+    """Analyse ``gm`` under ``paint`` (node -> decision; default: the graph's own paint).
+
+    ``store``: write the answer on the nodes (the analysis of the paint the
+    rewrite will use).  ``assume_inputs``: a dtype to assume for graph inputs
+    of unknown dtype -- for cost models only (the min-cut), never for what the
+    graph does.  ``repaint(node, info)``: called on each node in order with
+    its answer; a decision it returns replaces the node's paint in ``paint``
+    (which is updated in place) and the node is analysed again.
+    """
+    low = low or (ctx.low if ctx is not None else torch.bfloat16)
+    analysis = _Walker(gm, ctx, paint if paint is not None else {}, low, assume_inputs, repaint).run()
+    if store:
+        analysis.write()
+        if ctx is not None:
+            ctx.analysis = analysis
+    return analysis
+
+
+# --------------------------------------------------------------------------
+# Aliasing
+# --------------------------------------------------------------------------
+def alias_root(node: fx.Node) -> fx.Node:
+    """The value ``node`` may share memory with, walking back through views, casts and in-place ops.
+
+    Over-approximating (``index_select`` copies) only costs a cast; missing an
+    alias would read stale values.
+    """
+    while node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node):
+        op = node.meta.get(meta.OP)
+        if not (op in ALIASING_OPS or node.meta.get(meta.INPLACE)):
+            break
+        node = node.args[0]
+    return node
+
+
+def mutated_roots(graph: fx.Graph) -> set[fx.Node]:
+    """Alias roots of the values some in-place op writes into: their casts must not be shared across the write."""
+    return {alias_root(n.args[0]) for n in graph.nodes
+            if n.meta.get(meta.INPLACE) and n.args and isinstance(n.args[0], fx.Node)}
+
+
+def mutated_values(graph: fx.Graph) -> set[fx.Node]:
+    """Every value an in-place op writes, with everything that may alias it (views up and down)."""
+    found = {n.args[0] for n in graph.nodes if n.meta.get(meta.INPLACE) and n.args and isinstance(n.args[0], fx.Node)}
+    todo = list(found)
+    while todo:
+        node = todo.pop()
+        linked = [u for u in node.users if u.meta.get(meta.OP) in ALIASING_OPS and u.args and u.args[0] is node]
+        if node.meta.get(meta.OP) in ALIASING_OPS and node.args and isinstance(node.args[0], fx.Node):
+            linked.append(node.args[0])
+        for other in linked:
+            if other not in found:
+                found.add(other)
+                todo.append(other)
+    return found

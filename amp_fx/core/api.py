@@ -1,0 +1,238 @@
+"""``amp_fx.convert``: trace a model, decide every node's precision, insert casts.
+
+``convert`` never mutates the model it is given.  At O0 and O1 the
+converted module shares the model's parameters (training it trains the
+model); at O2 and O3 it owns low-precision copies, and the model's own fp32
+parameters become the master weights (``converted.amp_fx_masters``).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import functools
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from amp_fx.core import tables
+from amp_fx.core.config import AmpConfig, make_config
+from amp_fx.errors import AlreadyConvertedError
+from amp_fx.core.graph_module import AmpGraphModule
+from amp_fx.core.op_keys import CAST_OPS, canonical_op
+from amp_fx.core.pass_manager import PassContext
+from amp_fx.core.pipeline import rewrite_graph
+from amp_fx.core.policy import Policy
+from amp_fx.frontend.tracing import _TRACE_LOCK, trace_model
+
+__all__ = ["convert"]
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"amp_fx.convert expects a torch.nn.Module, got {type(model).__name__}. "
+            "Wrap a function in an nn.Module whose forward calls it."
+        )
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor.device.type == "meta":
+            raise ValueError(
+                f"the model has parameters on the meta device ({name!r} is one: no data to cast). "
+                "Materialise it first (model.to_empty(device=...) and load its weights), then convert."
+            )
+
+
+def _check_inputs(example_inputs: Any, example_kwarg_inputs: Any) -> None:
+    """Refuse example inputs in a shape convert() would misread, before any work is done."""
+    if isinstance(example_inputs, (torch.Tensor, Mapping)):
+        what = "a tensor" if isinstance(example_inputs, torch.Tensor) else "a dict"
+        fix = "example_inputs=(x,)" if isinstance(example_inputs, torch.Tensor) else "example_kwarg_inputs={...}"
+        raise TypeError(f"example_inputs takes a tuple of the positional inputs, got {what}: write {fix}")
+    if example_kwarg_inputs is not None and not isinstance(example_kwarg_inputs, Mapping):
+        raise TypeError(f"example_kwarg_inputs takes a dict of keyword inputs, got {type(example_kwarg_inputs).__name__}")
+
+
+def _check_leaf_names(leaf_modules: Sequence[Any], module_names: Sequence[str]) -> None:
+    """A leaf module named by a string must exist in the model (a typo would silently trace through it)."""
+    if isinstance(leaf_modules, str):
+        raise TypeError(f"leaf_modules takes a list of module names or types: write leaf_modules=[{leaf_modules!r}]")
+    for leaf in leaf_modules:
+        if isinstance(leaf, str) and leaf not in module_names:
+            close = difflib.get_close_matches(leaf, [n for n in module_names if n], n=3, cutoff=0.5)
+            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(f"leaf_modules names {leaf!r}, which the model does not have.{hint} "
+                             "Names are those of model.named_modules(); module types are accepted too.")
+
+
+def _tensor_notes(model: nn.Module) -> list[str]:
+    """Report notes on parameters and buffers that amp_fx leaves as they are."""
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    notes = []
+    kept = [f"{name} ({str(t.dtype).replace('torch.', '')})" for name, t in tensors if t.dtype == torch.float64 or t.is_complex()]
+    if kept:
+        notes.append(f"never cast, as under autocast (float64 and complex tensors): {', '.join(kept)}")
+    if tensors and not any(t.is_floating_point() for _, t in tensors):
+        notes.append("the model has no floating-point parameters or buffers: only activations are converted")
+    return notes
+
+
+def _copy_missing_state(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Give ``gm`` every parameter and buffer of ``model`` (unused ones too) so state_dict keys match."""
+    present = set(gm.state_dict().keys())
+    for name, tensor in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        if name in present:
+            continue
+        owner_path, _, leaf = name.rpartition(".")
+        owner = gm
+        for atom in owner_path.split(".") if owner_path else ():
+            if not hasattr(owner, atom):
+                owner.add_module(atom, nn.Module())
+            owner = getattr(owner, atom)
+        if isinstance(tensor, nn.Parameter):
+            owner.register_parameter(leaf, tensor)
+        else:
+            source = model.get_submodule(owner_path) if owner_path else model
+            owner.register_buffer(leaf, tensor, persistent=leaf not in source._non_persistent_buffers_set)
+    for module_name, module in model.named_modules():
+        for leaf in module._non_persistent_buffers_set:
+            try:
+                target = gm.get_submodule(module_name) if module_name else gm
+            except AttributeError:
+                continue
+            target._non_persistent_buffers_set.add(leaf)
+
+
+def _reconvert(model: AmpGraphModule, config: AmpConfig) -> AmpGraphModule:
+    """Converting a converted module: same config changes nothing; another config is refused."""
+    previous: AmpConfig = model.amp_config
+    if previous != config:
+        raise AlreadyConvertedError(
+            f"this module was already converted at {previous.level} ({previous.low_dtype}); converting it again "
+            f"at {config.level} ({config.low_dtype}) would stack casts. Convert the original model instead."
+        )
+    result = copy.copy(model)
+    report = copy.deepcopy(model.amp_report)
+    report.notes.append("already converted with this configuration: nothing changed")
+    result.amp_report = report
+    return result
+
+
+def _one_at_a_time(fn: Callable) -> Callable:
+    """Run ``fn`` under the tracing lock: while one thread traces, no other may run a module (see tracing.py)."""
+
+    @functools.wraps(fn)
+    def locked(*args: Any, **kwargs: Any) -> Any:
+        with _TRACE_LOCK:
+            return fn(*args, **kwargs)
+
+    return locked
+
+
+@_one_at_a_time
+def convert(
+    model: nn.Module,
+    level: str = "O1",
+    *,
+    dtype: Union[None, str, torch.dtype] = None,
+    example_inputs: Optional[Sequence[Any]] = None,
+    example_kwarg_inputs: Optional[Mapping[str, Any]] = None,
+    policy: Union[None, Policy, Mapping] = None,
+    keep_batchnorm_fp32: Optional[bool] = None,
+    cast_model_outputs: Optional[torch.dtype] = None,
+    leaf_modules: Sequence[Union[type, str]] = (),
+    on_unknown_op: str = "follow",
+    allow_banned: bool = False,
+    minimize_casts: Optional[bool] = None,
+    pad_gemm: Union[None, str, bool] = None,
+    fuse_precision: Optional[bool] = None,
+    cache_casts: Optional[bool] = None,
+    dynamic_shapes: Any = None,
+) -> AmpGraphModule:
+    """Return ``model`` rewritten for mixed precision at Apex level ``level`` (O0-O3).
+
+    Args:
+        model: the module to convert; it is never mutated.
+        level: ``"O0"`` (unchanged, fp32), ``"O1"`` (op tables decide; fp32
+            parameters cast once per forward), ``"O2"`` (low parameters and
+            graph, norms fp32, fp32 master weights), ``"O3"`` (everything low).
+        dtype: the low dtype; None picks float16 for a CUDA model and
+            bfloat16 otherwise.
+        example_inputs / example_kwarg_inputs: optional; give every node an
+            exact dtype and shape (FakeTensor propagation) and enable the
+            ``torch.export`` route for models fx cannot trace.
+        policy: overrides (an :class:`amp_fx.Policy` or a dict such as
+            ``{"module:decoder.head": "fp32", "op:softmax": "low"}``).
+        keep_batchnorm_fp32, cast_model_outputs, minimize_casts, pad_gemm:
+            override the level's preset.
+        fuse_precision: run fp32 norms fed and read in low precision as one
+            mixed-dtype kernel where that keeps fp32's precision (default True;
+            :mod:`amp_fx.passes.fuse_precision`).
+        cache_casts: reuse each parameter's low-precision cast across
+            forwards where autograd does not record it (``no_grad``,
+            ``inference_mode``, frozen parameters), until the parameter
+            changes (default False: a write through ``p.data`` bypasses the
+            version counter that invalidates the cache, so turn it on only
+            where weights change through ordinary ops; :mod:`amp_fx.core.cast_cache`).
+        leaf_modules: module types or names to keep whole (not traced into).
+        on_unknown_op: ``"follow"`` (default), ``"fp32"`` or ``"error"`` for
+            ops in no table.
+        allow_banned: run banned ops (``binary_cross_entropy``) in fp32
+            instead of raising.
+        dynamic_shapes: for the torch.export route, torch.export's own
+            argument for the tensor inputs; None makes batch and sequence
+            dimensions dynamic, False keeps every shape static
+            (:mod:`amp_fx.frontend.export_route`).
+
+    The result is an :class:`AmpGraphModule` with ``amp_report`` (every
+    decision and why) and ``amp_config``.
+    """
+    _check_model(model)
+    _check_inputs(example_inputs, example_kwarg_inputs)
+    config = make_config(
+        level, dtype=dtype, keep_batchnorm_fp32=keep_batchnorm_fp32, cast_model_outputs=cast_model_outputs,
+        on_unknown_op=on_unknown_op, allow_banned=allow_banned, minimize_casts=minimize_casts, pad_gemm=pad_gemm,
+        fuse_precision=fuse_precision, cache_casts=cache_casts,
+    ).with_dtype_for(model)
+    policy = Policy.coerce(policy)
+    if isinstance(model, AmpGraphModule) and hasattr(model, "amp_config"):
+        return _reconvert(model, config)
+    module_names = [name for name, _ in model.named_modules()]
+    policy.validate_against(module_names)
+    _check_leaf_names(leaf_modules, module_names)
+
+    owns_params = config.cast_params
+    source = copy.deepcopy(model) if owns_params else model
+    gm, route = trace_model(
+        source, leaf_modules=leaf_modules,
+        example_inputs=tuple(example_inputs) if example_inputs is not None else None,
+        example_kwarg_inputs=dict(example_kwarg_inputs) if example_kwarg_inputs else None,
+        module_class=AmpGraphModule, dynamic_shapes=dynamic_shapes,
+    )
+    _copy_missing_state(gm, source)
+    policy.check_op_names((canonical_op(n, gm) for n in gm.graph.nodes if n.op.startswith("call")), set().union(*tables.all_tables().values(), CAST_OPS))
+    ctx = PassContext(config=config, policy=policy,
+                      example_inputs=tuple(example_inputs) if example_inputs is not None else None,
+                      example_kwarg_inputs=dict(example_kwarg_inputs) if example_kwarg_inputs else None,
+                      route=route)
+    notes = _tensor_notes(model)
+    notes.extend(getattr(gm, "amp_fx_trace_notes", ()))  # what the export route fixed or kept dynamic
+    if route == "torch.export":
+        notes.append("traced with torch.export: the module's train/eval mode at conversion is part of the graph")
+    gm, report = rewrite_graph(gm, ctx, own_params=owns_params, notes=notes)
+
+    result = gm
+    if route != "symbolic_trace":  # a traced module already has each module's own flag (AmpGraphModule)
+        result.train(model.training)
+    result.amp_report = report
+    result.amp_config = config
+    # The casts were placed for the example inputs' floating dtypes: calls with other dtypes are refused.
+    examples = {**dict(enumerate(example_inputs or ())), **dict(example_kwarg_inputs or {})}
+    result.amp_fx_input_dtypes = {key: value.dtype for key, value in examples.items()
+                                  if isinstance(value, torch.Tensor) and value.is_floating_point()}
+    result.amp_fx_source_dtypes = dict(ctx.extra.get("source_dtypes", {}))
+    if config.master_weights and owns_params:
+        originals = dict(model.named_parameters())
+        result.amp_fx_masters = {name: originals[name] for name, _ in result.named_parameters() if name in originals}
+    return result

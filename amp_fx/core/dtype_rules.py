@@ -1,0 +1,151 @@
+"""Dtype-only mode of the analysis: each op's result rule, derived from the op tables.
+
+Used where a node cannot be fake-run: no example inputs (graph inputs' dtypes
+unknown, no shapes), an input whose value is unknown, or an op with no fake
+kernel.  Every rule reads the tables; none is a table of its own making
+except the short lists below of ops whose *result kind* (not a tensor, not
+floating, a tuple) the tables do not say.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+import torch.fx as fx
+
+from amp_fx.core import meta, tables
+from amp_fx.core.casts import amp_cast, amp_promote
+from amp_fx.core.meta import ValueInfo, may_be_float_tensor
+from amp_fx.core.op_keys import CAST_OPS
+
+__all__ = ["rule_value", "widest", "explicit_dtype"]
+
+# -- result rules for dtype-only mode, all derived from the tables ----------
+# Ops whose tensor result is floating whatever arrives (GEMMs, exp, softmax, losses).
+_FLOAT_RESULT = (frozenset(tables.LOW) | frozenset(tables.FP32)) - {"sum", "prod", "cumsum", "cumprod", "pow"}
+# Ops whose result is never floating, or is not a tensor at all.
+_NON_FLOAT_RESULT = frozenset({
+    "eq", "ne", "lt", "le", "gt", "ge", "isfinite", "isnan", "isinf", "logical_and", "logical_or", "logical_not",
+    "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "argmax", "argmin", "any", "all", "one_hot", "equal",
+    "nonzero", "searchsorted", "bucketize",
+})
+_NON_TENSOR_RESULT = frozenset({"size", "dim", "numel", "ndimension", "nelement", "stride", "is_floating_point",
+                                "item", "tolist", "getattr", "equal", "is_contiguous", "data_ptr"})
+_NON_TENSOR_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "is_sparse", "layout"})
+# Ops that return several tensors (their items are read with getitem).
+_TUPLE_RESULT = frozenset({"split", "chunk", "unbind", "split_with_sizes", "topk", "sort", "var_mean", "std_mean",
+                           "lstm", "gru", "rnn_tanh", "rnn_relu", "native_dropout", "max_pool2d_with_indices",
+                           "multi_head_attention"})
+# Data movement keeps its first input's dtype (an index or shape tensor takes no part; F.embedding's data is its 2nd input).
+_KEEPS_FIRST_DTYPE = tables.DATA_MOVEMENT - {"embedding", "embedding_bag", "one_hot"}
+_NAMED_CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+_NON_FLOAT_CASTS = frozenset({"long", "int", "bool", "short", "byte", "char"})
+# Complex numbers in and out: ops whose result is the real part of a complex input, and ops that make complex values.
+_COMPLEX_TO_REAL = frozenset({"view_as_real", "real", "imag", "abs", "angle"})
+_COMPLEX_RESULT = frozenset({"view_as_complex", "polar", "complex"})
+
+
+def widest(dtypes: list[Optional[torch.dtype]]) -> Optional[torch.dtype]:
+    if not dtypes or any(d is None for d in dtypes):
+        return None
+    result = dtypes[0]
+    for d in dtypes[1:]:
+        result = torch.promote_types(result, d)
+    return result
+
+
+def explicit_dtype(node: fx.Node) -> Optional[torch.dtype]:
+    """A floating ``dtype=`` keyword the op was called with (``softmax(x, -1, dtype=torch.float32)``)."""
+    dtype = node.kwargs.get("dtype")
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def _cast_target(node: fx.Node, inputs: Mapping[fx.Node, ValueInfo]) -> tuple[bool, Optional[torch.dtype]]:
+    """(is a float cast, its target) for a cast the model wrote; (False, None) for a cast to a non-float dtype."""
+    op = node.meta.get(meta.OP)
+    if op in _NAMED_CASTS:
+        return True, _NAMED_CASTS[op]
+    if node.target is amp_cast:
+        return True, node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype")
+    if node.target is amp_promote:
+        return True, None  # the widest of its inputs, known only at run time
+    for arg in list(node.args[1:]) + list(node.kwargs.values()):
+        if isinstance(arg, torch.dtype):
+            return arg.is_floating_point, arg if arg.is_floating_point else None
+        if isinstance(arg, fx.Node) and arg in inputs:
+            info = inputs[arg]
+            if info.is_tensor is not True:  # .to(h.dtype): a dtype known only at run time
+                return True, None
+            return info.is_float is not False, info.float_dtype  # .to(other) / .type_as(other)
+    return True, None
+
+
+def rule_value(node: fx.Node, decision: str, inputs: Mapping[fx.Node, ValueInfo], target: Optional[torch.dtype],
+                gm: fx.GraphModule) -> ValueInfo:
+    """Dtype-only mode: the op's result rule (see the module docstring, step 4)."""
+    op = node.meta.get(meta.OP)
+    if op in _NON_TENSOR_RESULT or (node.op == "call_method" and node.target in _NON_TENSOR_RESULT):
+        return ValueInfo.non_tensor()
+    if node.op == "call_function" and node.target is getattr and len(node.args) > 1 and node.args[1] in _NON_TENSOR_ATTRS:
+        return ValueInfo.non_tensor()
+    if node.op == "call_method" and node.target in _NON_FLOAT_CASTS:
+        return ValueInfo(True, False)
+    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    first_info = inputs.get(first) if first is not None else None
+    if op == "getitem" and first_info is not None and (first_info.container or first_info.is_tensor is None):
+        # An item of a tuple of tensors (chunk, LSTM outputs): its dtype flows through.
+        if first_info.container:
+            return ValueInfo(None, None, first_info.float_dtype)
+        return ValueInfo()
+    if op in _TUPLE_RESULT and first_info is not None and first_info.is_float is not False and first_info.float_dtype:
+        return ValueInfo(False, False, first_info.float_dtype if target is None else target, container=True)
+    if op in _NON_FLOAT_RESULT:
+        return ValueInfo(None, False)
+    if decision == "cast" or op in CAST_OPS:
+        is_float_cast, dtype = _cast_target(node, inputs)
+        if not is_float_cast:
+            return ValueInfo(True, False)
+        if dtype is not None:
+            source = first_info
+            known = source is not None and source.is_float is True
+            return ValueInfo(True if known else None, True if known else None, dtype, shape=source.shape if source else None)
+    complex_first = first_info is not None and first_info.dtype is not None and first_info.dtype.is_complex
+    if op in _COMPLEX_TO_REAL and complex_first:
+        real = first_info.dtype.to_real()
+        return ValueInfo(True, True, real, real)
+    if op == "view_as_complex" and first_info is not None and first_info.float_dtype is not None:
+        return ValueInfo(True, False, None, first_info.float_dtype.to_complex())
+    complex_in = next((i.dtype for i in inputs.values() if i.dtype is not None and i.dtype.is_complex), None)
+    if complex_in is not None or op in _COMPLEX_RESULT:
+        # ``h * phase`` with a complex phase is complex: never a float, never cast.
+        return ValueInfo(True, False, None, complex_in)
+    explicit = explicit_dtype(node)
+    if explicit is not None:
+        return ValueInfo(True, True, explicit)
+    if decision == "fp32" and node.meta.get(meta.FUSED) and first_info is not None:
+        return ValueInfo(True, True, first_info.float_dtype)  # a fused norm returns its input's (low) dtype
+    reads_float64 = any(i.float_dtype == torch.float64 for i in inputs.values() if may_be_float_tensor(i))
+    if decision in ("low", "fp32") and target is not None and not reads_float64:
+        if op in _FLOAT_RESULT:
+            return ValueInfo(True, True, target)
+        if node.op == "call_module":
+            return ValueInfo(None, None, target)
+    if op in _KEEPS_FIRST_DTYPE and first_info is not None and first_info.is_tensor is not False and not first_info.container:
+        return ValueInfo(first_info.is_tensor, first_info.is_float, first_info.float_dtype, first_info.dtype)
+    if op == "embedding" and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
+        weight = inputs[node.args[1]]
+        return ValueInfo(True if weight.is_float else None, weight.is_float, weight.float_dtype)
+    floats = [i for n, i in inputs.items() if may_be_float_tensor(i)]
+    dimensioned = [i for i in floats if i.shape != ()]
+    deciding = dimensioned or floats
+    if not deciding:
+        if inputs and any(i.container for i in inputs.values()):
+            return ValueInfo(None, None, widest([i.float_dtype for i in inputs.values() if i.container]))
+        # Factories (torch.zeros(x.size())) make the default dtype when they make floats.
+        if all(i.is_tensor is False for i in inputs.values()):
+            return ValueInfo(None, None, torch.get_default_dtype())
+        return ValueInfo()
+    is_float = True if (first_info is not None and first_info.is_float is True and op in tables.FOLLOW) or \
+        (op in _FLOAT_RESULT) else None
+    return ValueInfo(True if is_float else None, is_float, widest([i.float_dtype for i in deciding]))

@@ -1,0 +1,219 @@
+"""AmpGraphModule: the GraphModule that ``convert()`` returns.
+
+It is an ordinary ``torch.fx.GraphModule`` with three additions:
+
+- It runs with autocast disabled when an outer ``torch.autocast`` region is
+  active, so ops are never cast twice (the graph already holds its casts).
+- At O2/O3, ``state_dict()`` hands back the model's own dtypes (fp32), and
+  ``load_state_dict()`` accepts them, so checkpoints move freely between the
+  fp32 model and its converted forms.
+- It keeps ``amp_report`` / ``amp_config`` (and ``amp_fx_masters`` at O2)
+  across ``copy.deepcopy`` and pickling.
+- Its modules are its own: a submodule it would share with the model it was
+  built from (a leaf such as Dropout or BatchNorm) is replaced by a shallow
+  copy holding the same parameter and buffer tensors, so ``.train()`` /
+  ``.eval()`` on it never flip the original model's flags.  Each module keeps
+  the flag the original had.
+- Where the graph was specialised to one train/eval mode (a branch on
+  ``self.training``, or the torch.export route), ``.train()`` / ``.eval()``
+  that change that mode warn once.
+- A grad-mode region left open by an exception in ``forward`` does not leak
+  into the caller: the grad mode is restored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import sys
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from amp_fx.frontend.train_flags import FROZEN_ATTR
+
+__all__ = ["AmpGraphModule", "AMP_ATTRIBUTES", "FrozenTrainingWarning"]
+
+# Attributes that describe a conversion; carried through deepcopy and pickle.
+AMP_ATTRIBUTES = ("amp_report", "amp_config", "amp_fx_masters", "amp_fx_source_dtypes", "amp_fx_input_dtypes", FROZEN_ATTR)
+
+
+class FrozenTrainingWarning(UserWarning):
+    """.train()/.eval() changed a mode that the converted graph was specialised to."""
+
+
+def _shallow_clone(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
+    """A new module object with the same parameter and buffer tensors, and its own flags, hooks and children."""
+    if id(module) in memo:
+        return memo[id(module)]
+    clone = copy.copy(module)
+    memo[id(module)] = clone
+    for key, value in module.__dict__.items():
+        # _parameters, _buffers, hook dicts, RNN's _flat_weights: new containers, same tensors
+        if isinstance(value, (dict, list, set)):
+            clone.__dict__[key] = copy.copy(value)
+    clone.__dict__["_modules"] = type(module._modules)(
+        (name, None if child is None else _shallow_clone(child, memo)) for name, child in module._modules.items())
+    return clone
+
+
+def _own_modules(gm: nn.Module, root: nn.Module) -> None:
+    """Replace every submodule ``gm`` shares with ``root`` by a shallow clone; copy ``root``'s flags by path."""
+    originals = {id(m) for m in root.modules()}
+    memo: dict[int, nn.Module] = {}
+
+    def walk(parent: nn.Module) -> None:
+        for name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            if id(child) in originals:
+                parent._modules[name] = _shallow_clone(child, memo)
+            else:
+                walk(child)
+
+    walk(gm)
+    sources = dict(root.named_modules())
+    for path, module in gm.named_modules():
+        source = sources.get(path)
+        if source is not None and path and isinstance(source.training, bool):
+            module.training = source.training
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_AMP_FX_DIR = os.path.dirname(__file__)
+
+
+def _restore_source_dtypes(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """state_dict hook: report each low-precision tensor in the dtype the original model had."""
+    for name, dtype in getattr(module, "amp_fx_source_dtypes", {}).items():
+        key = prefix + name
+        if key in state_dict and state_dict[key].dtype != dtype:
+            state_dict[key] = state_dict[key].to(dtype)
+
+
+def _rebuild(reduce_fn: Any, reduce_args: tuple, class_name: str) -> "AmpGraphModule":
+    plain = reduce_fn(*reduce_args)
+    rebuilt = AmpGraphModule(plain, plain.graph, class_name)
+    for name in AMP_ATTRIBUTES:
+        if name in reduce_args[0]:
+            setattr(rebuilt, name, reduce_args[0][name])
+    return rebuilt
+
+
+def _called_by_amp_fx() -> bool:
+    """True when the nearest caller outside torch is amp_fx itself (an analysis switching modes briefly)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        frame = frame.f_back
+    passes = getattr(sys.modules.get("amp_fx.passes"), "__file__", None)
+    ours = (_AMP_FX_DIR,) + ((os.path.dirname(passes),) if passes else ())
+    return frame is not None and frame.f_code.co_filename.startswith(ours)
+
+
+def _check_input_dtypes(expected: dict, args: tuple, kwargs: dict) -> None:
+    """Refuse a floating input of another dtype than the example inputs had: the graph's casts were placed for those."""
+    for key, dtype in expected.items():
+        value = args[key] if isinstance(key, int) and key < len(args) else kwargs.get(key) if isinstance(key, str) else None
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+            name = f"input {key}" if isinstance(key, int) else f"input {key!r}"
+            raise TypeError(
+                f"amp_fx: this module was converted with example inputs whose {name} was {dtype}, and is called with "
+                f"{value.dtype}. Its casts were placed for {dtype} (where a value is already in the right dtype no cast "
+                f"is written), so other dtypes would run ops in the wrong precision. Convert with example inputs of the "
+                f"dtypes you call it with, or without example_inputs (then any floating dtype works).")
+
+
+def _load_masters(module: nn.Module, state_dict: Any) -> None:
+    """Copy loaded values into the module's fp32 masters (O2), where both are plain tensors of the same shape."""
+    masters = module.__dict__.get("amp_fx_masters") or {}
+    with torch.no_grad():
+        for name, master in masters.items():
+            value = state_dict.get(name)
+            plain = type(master) in (torch.Tensor, nn.Parameter) and type(value) in (torch.Tensor, nn.Parameter)
+            if plain and value.shape == master.shape:  # (sharded masters load through torch.distributed.checkpoint)
+                master.copy_(value)
+
+
+class AmpGraphModule(fx.GraphModule):
+    """A converted model: a GraphModule with explicit casts (see module docstring)."""
+
+    def __init__(self, root: Any, graph: fx.Graph, class_name: str = "AmpGraphModule"):
+        super().__init__(root, graph, class_name)
+        self._register_state_dict_hook(_restore_source_dtypes)
+        if isinstance(root, nn.Module):
+            _own_modules(self, root)
+            self.training = root.training
+        frozen = getattr(graph, FROZEN_ATTR, None)
+        if frozen:
+            setattr(self, FROZEN_ATTR, dict(frozen))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        expected = self.__dict__.get("amp_fx_input_dtypes")
+        if expected:
+            _check_input_dtypes(expected, args, kwargs)
+        grad = torch.is_grad_enabled()
+        try:
+            active = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+            if not active:
+                return super().__call__(*args, **kwargs)
+            # The graph already casts explicitly: an outer autocast would cast again.
+            with contextlib.ExitStack() as stack:
+                for device in active:
+                    stack.enter_context(torch.autocast(device, enabled=False))
+                return super().__call__(*args, **kwargs)
+        except BaseException:
+            torch._C._set_grad_enabled(grad)  # a no_grad region the error left open must not leak
+            raise
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load as any module does; at O2 the fp32 masters take the loaded values too.
+
+        Without that, the next ``MasterWeightOptimizer`` step would copy the
+        old masters back over the weights just loaded.
+        """
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        _load_masters(self, state_dict)
+        return result
+
+    def train(self, mode: bool = True) -> "AmpGraphModule":
+        """Set train/eval mode on this module and its own submodules; warn once if the graph was specialised."""
+        result = super().train(mode)
+        frozen = self.__dict__.get(FROZEN_ATTR)
+        if frozen and not self.__dict__.get("_amp_fx_warned_frozen") and not _called_by_amp_fx():
+            changed = [(path, value, where) for path, (value, where) in frozen.items() if self._flag_at(path) != value]
+            if changed:
+                self._amp_fx_warned_frozen = True
+                path, value, where = changed[0]
+                name = f"{path}.training" if path else "training"
+                if where == "traced with torch.export":
+                    what = (f"amp_fx: this module was traced with torch.export at {name}={value}; the graph keeps that "
+                            "mode (dropout, batch norm, every branch on self.training), so .train()/.eval() change "
+                            "nothing it computes.")
+                else:
+                    what = (f"amp_fx: this module was converted at {name}={value}, and its forward branches on "
+                            f"self.training ({where}): the graph keeps that branch. .train()/.eval() still switch "
+                            "Dropout/BatchNorm and runtime reads of the flag.")
+                warnings.warn(
+                    f"{what} Convert the model again in the mode you need, or use torch.compile(model, backend='amp_fx').",
+                    FrozenTrainingWarning, stacklevel=2)
+        return result
+
+    def _flag_at(self, path: str) -> Optional[bool]:
+        try:
+            return self.get_submodule(path).training if path else self.training
+        except AttributeError:
+            return self.training
+
+    def __deepcopy__(self, memo: dict) -> "AmpGraphModule":
+        result = super().__deepcopy__(memo)
+        for name in AMP_ATTRIBUTES:
+            if name in self.__dict__:
+                setattr(result, name, copy.deepcopy(self.__dict__[name], memo))
+        return result
+
+    def __reduce__(self) -> tuple:
+        reduce_fn, reduce_args = super().__reduce__()
+        return (_rebuild, (reduce_fn, reduce_args, type(self).__name__))

@@ -1,0 +1,64 @@
+"""The pass pipeline a level asks for, shared by ``convert()`` and the compiler backend."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.fx as fx
+
+from amp_fx.core.config import AmpConfig
+from amp_fx.core.pass_manager import AmpPass, PassContext, run_passes
+from amp_fx.core.report import ConversionReport, build_report
+from amp_fx.frontend.trace_hooks import finish_trace
+from amp_fx.passes.analyse_dtypes import analyse_dtypes
+from amp_fx.passes.assign_precision import assign_precision
+from amp_fx.passes.cache_weight_casts import cache_weight_casts
+from amp_fx.passes.cast_params import cast_params
+from amp_fx.passes.dedupe_casts import dedupe_casts
+from amp_fx.passes.fold_casts import fold_casts
+from amp_fx.passes.fuse_precision import fuse_precision
+from amp_fx.passes.honour_autocast_regions import honour_autocast_regions
+from amp_fx.passes.insert_casts import insert_casts
+from amp_fx.passes.minimize_casts import minimize_casts
+from amp_fx.passes.pad_gemm import pad_gemm
+from amp_fx.passes.propagate_meta import propagate_meta
+
+__all__ = ["build_pipeline", "rewrite_graph"]
+
+
+def build_pipeline(config: AmpConfig, *, own_params: bool) -> list[AmpPass]:
+    """The passes for ``config``: analyses first, then rewrites.
+
+    ``own_params`` says whether the graph module owns its parameters (O2/O3
+    under ``convert()``); a compiler backend never does.
+    """
+    if config.op_mode == "none":
+        return [propagate_meta, analyse_dtypes]
+    # honour_autocast_regions repaints ops inside a Dynamo graph's own
+    # torch.autocast regions; it changes nothing in graphs without them.
+    pipeline: list[AmpPass] = [propagate_meta, assign_precision, honour_autocast_regions]
+    if config.cast_params and own_params:
+        pipeline.append(cast_params)
+    # One dtype analysis of the paint: every later pass, the report and the views read it.
+    pipeline.append(analyse_dtypes)
+    if config.minimize_casts:
+        pipeline.append(minimize_casts)
+    if config.fuse_precision:
+        # On the final paint: fused norms need no casts, so insert_casts writes none for them.
+        pipeline.append(fuse_precision)
+    pipeline += [insert_casts, dedupe_casts, fold_casts]
+    if config.pad_gemm is not False:
+        # "auto" pads on CUDA only; the pass finds the device and says so in the report.
+        pipeline.append(pad_gemm)
+    if config.cache_casts:
+        # Last: every other pass sees plain casts; inference then reuses each weight's cast.
+        pipeline.append(cache_weight_casts)
+    return pipeline
+
+
+def rewrite_graph(gm: fx.GraphModule, ctx: PassContext, *, own_params: bool, notes: Optional[list[str]] = None) -> tuple[fx.GraphModule, ConversionReport]:
+    """Run the level's pipeline on ``gm`` (in place) and build its report."""
+    gm = run_passes(gm, ctx, build_pipeline(ctx.config, own_params=own_params))
+    report = build_report(gm, level=ctx.config.level, dtype=ctx.low, route=ctx.route, passes=ctx.stats, notes=notes or [])
+    gm = finish_trace(gm, report)  # checkpointed regions outlined after the report (amp_fx/frontend/trace_hooks.py)
+    return gm, report

@@ -1,0 +1,242 @@
+"""The op tables as data: which ops run low, which stay fp32, which promote.
+
+Names are canonical op names (see :mod:`amp_fx.core.op_keys`): the ATen names that
+PyTorch's CUDA autocast op reference uses, so graphs traced at the torch level
+(``symbolic_trace``, Dynamo) and at the ATen level (``torch.export``) share one
+table.  Every op not listed here FOLLOWS: it runs in whatever dtype arrives.
+
+Each table maps a name to the one-line reason shown in the conversion report.
+The groups mirror the CUDA autocast reference; where CPU autocast disagrees
+the comment says so (the CUDA reference is what Apex and users expect).
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping
+
+__all__ = [
+    "LOW",
+    "FP32",
+    "PROMOTE",
+    "FOLLOW",
+    "BANNED",
+    "NORM_OPS",
+    "DATA_MOVEMENT",
+    "EXPORT_CHECKS",
+    "LOW_PRECISION_DTYPES",
+    "table_of",
+    "all_tables",
+]
+
+
+def _group(reason: str, *names: str) -> dict[str, str]:
+    return {name: reason for name in names}
+
+
+# --------------------------------------------------------------------------
+# LOW (allow list): run in the low dtype.
+# --------------------------------------------------------------------------
+LOW: Mapping[str, str] = MappingProxyType({
+    # GEMMs: tensor cores need fp16/bf16 inputs; accumulation is fp32 inside.
+    **_group(
+        "GEMM: tensor cores run it low with fp32 accumulation",
+        "matmul", "mm", "bmm", "mv", "addmm", "addmv", "addr", "addbmm",
+        "baddbmm", "linear", "chain_matmul", "linalg_multi_dot",
+        "linalg_vecdot", "einsum",
+    ),
+    # Convolutions are GEMMs in disguise (implicit GEMM on tensor cores).
+    **_group(
+        "convolution: implicit GEMM on tensor cores",
+        "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+        "conv_transpose3d", "convolution", "_convolution", "conv_tbc",
+    ),
+    # prelu is on the CUDA list: it is bandwidth bound and safe in low precision.
+    **_group("prelu: on autocast's lower-precision list", "prelu"),
+    # RNN cells and whole RNNs are GEMM chains (cuDNN RNN runs low under autocast).
+    **_group(
+        "recurrent GEMMs: cuDNN/oneDNN RNN kernels run low",
+        "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+        "lstm", "gru", "rnn_tanh", "rnn_relu",
+    ),
+    # Attention kernels (flash/memory-efficient) exist only for low dtypes.
+    **_group(
+        "attention: fused kernels need low-precision inputs",
+        "scaled_dot_product_attention", "multi_head_attention",
+    ),
+})
+
+# --------------------------------------------------------------------------
+# FP32 (deny list): inputs are cast to fp32 and the op runs in fp32.
+# --------------------------------------------------------------------------
+FP32: Mapping[str, str] = MappingProxyType({
+    # Pointwise functions whose output range or slope overflows fp16.
+    **_group(
+        "pointwise: range or precision exceeds fp16",
+        "acos", "asin", "cosh", "sinh", "tan", "erfinv", "exp", "expm1",
+        "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "pow",
+        "rtruediv", "softplus",
+    ),
+    # Reductions accumulate many terms: fp16 sums lose precision or overflow.
+    **_group(
+        "reduction: accumulates many terms",
+        "sum", "prod", "cumsum", "cumprod", "logsumexp",
+    ),
+    # Softmax-family exponentiates then normalises.
+    **_group(
+        "softmax family: exp then normalise",
+        "softmax", "log_softmax", "softmin",
+    ),
+    # Norms compute statistics (mean/variance) over many elements.
+    **_group(
+        "normalisation statistics need fp32",
+        "layer_norm", "group_norm", "norm", "normalize", "renorm",
+        "linalg_vector_norm", "linalg_matrix_norm", "frobenius_norm",
+        "nuclear_norm", "rms_norm", "cosine_similarity",
+    ),
+    # Distances square and sum differences.
+    **_group("distance: sums of squares", "dist", "pdist", "cdist"),
+    # Losses reduce over the batch and feed the loss scaler.
+    **_group(
+        "loss: reduces over the batch and feeds loss scaling",
+        "cross_entropy", "nll_loss", "nll_loss2d", "mse_loss", "l1_loss",
+        "smooth_l1_loss", "huber_loss", "kl_div", "poisson_nll_loss",
+        "binary_cross_entropy_with_logits", "cosine_embedding_loss",
+        "hinge_embedding_loss", "margin_ranking_loss",
+        "multilabel_margin_loss", "multi_margin_loss", "soft_margin_loss",
+        "triplet_margin_loss",
+    ),
+    # Upsampling interpolates with fp32 weights in autocast's reference.
+    **_group(
+        "upsampling: on autocast's float32 list",
+        "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+        "upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d",
+        "upsample_bicubic2d", "interpolate",
+    ),
+    # No low-precision kernel at all (CPU autocast runs them in fp32): FFTs,
+    # dense linear algebra, quantiles.  Left to follow a low input, they fail.
+    **_group(
+        "no fp16/bf16 kernel: FFT, linear algebra and quantiles run in fp32 (autocast's CPU float32 list)",
+        "fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "fft_fft2", "fft_rfft2", "fft_fftn", "fft_rfftn",
+        "fft_hfft", "linalg_solve", "linalg_inv", "linalg_eigh", "linalg_eigvalsh", "linalg_eig", "linalg_svd",
+        "linalg_svdvals", "linalg_det", "linalg_slogdet", "linalg_cholesky", "linalg_qr", "linalg_pinv",
+        "linalg_lstsq", "quantile", "nanquantile", "polar",
+    ),
+})
+
+# --------------------------------------------------------------------------
+# PROMOTE: inputs are cast to the widest floating dtype among them.
+# --------------------------------------------------------------------------
+PROMOTE: Mapping[str, str] = MappingProxyType({
+    # Multi-input ops whose kernels require one dtype across inputs.
+    **_group(
+        "multi-input op: runs in the widest input dtype",
+        "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot",
+        "grid_sampler", "index_put", "scatter_add", "tensordot",
+        "index_copy",
+    ),
+    # Sequence ops: cat/stack over mixed inputs promote to the widest.
+    **_group("sequence op: runs in the widest input dtype", "cat", "stack"),
+})
+
+# Ops that only move data (views, layout, indexing, embedding lookups): they
+# follow their input at every level, and casts can be hoisted through them.
+DATA_MOVEMENT: frozenset[str] = frozenset({
+        "getitem", "setitem", "view", "reshape", "flatten", "unflatten",
+        "permute", "transpose", "t", "contiguous", "expand", "expand_as",
+        "repeat", "squeeze", "unsqueeze", "split", "chunk", "unbind",
+        "narrow", "select", "slice", "index_select", "gather", "scatter",
+        "masked_select", "roll", "flip", "clone", "detach", "identity",
+        "view_as", "split_with_sizes", "pad", "constant_pad_nd",
+        "embedding", "embedding_bag", "one_hot", "tril", "triu",
+        "zeros_like", "ones_like", "empty_like", "full_like", "new_zeros",
+        "new_ones", "new_empty", "new_full", "size", "dim", "numel",
+        "getattr", "alias", "lift_fresh_copy", "unsafe_view", "_unsafe_view",
+})
+
+# Checks that torch.export records in a graph (no result, no arithmetic).
+EXPORT_CHECKS: frozenset[str] = frozenset({"_assert_tensor_metadata", "_assert_scalar", "_guards_fn",
+                                           "sym_constrain_range_for_size"})
+
+# --------------------------------------------------------------------------
+# FOLLOW: known to be safe in whatever dtype arrives.  Ops in no table follow
+# too, but are counted as unknown in the report (on_unknown_op= changes that).
+# --------------------------------------------------------------------------
+FOLLOW: Mapping[str, str] = MappingProxyType({
+    # Elementwise arithmetic and activations: exact or bandwidth bound.
+    **_group(
+        "elementwise: same precision in and out",
+        "add", "sub", "mul", "div", "neg", "abs", "relu", "relu6", "gelu",
+        "silu", "sigmoid", "tanh", "leaky_relu", "elu", "selu", "celu",
+        "hardswish", "hardsigmoid", "hardtanh", "mish", "clamp", "clamp_min",
+        "clamp_max", "where", "maximum", "minimum", "sqrt", "square", "sin",
+        "cos", "floor_divide", "remainder", "sign", "masked_fill", "lerp",
+        "rsub", "threshold", "erf", "round", "floor", "ceil", "trunc",
+        "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not",
+        "logical_and", "logical_or", "logical_not", "eq", "ne", "lt", "le",
+        "gt", "ge", "isfinite", "isnan", "isinf",
+    ),
+    **_group("data movement: no arithmetic", *DATA_MOVEMENT),
+    # Pooling keeps or averages a window: fine in low precision.
+    **_group(
+        "pooling: window max/mean",
+        "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d",
+        "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+        "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
+        "max_pool2d_with_indices",
+    ),
+    # Factories make what their dtype= (or the default dtype) says.
+    **_group(
+        "factory: makes the dtype it is asked for",
+        "arange", "zeros", "ones", "full", "empty", "randn", "rand", "randint", "randn_like", "rand_like",
+        "linspace", "scalar_tensor", "tensor",
+    ),
+    # Checks torch.export records: they compute nothing; insert_casts keeps them true to the rewrite.
+    **_group("torch.export check: computes nothing, kept true to the rewritten dtypes", *sorted(EXPORT_CHECKS)),
+    # Regularisers and small reductions that autocast leaves alone.
+    **_group(
+        "left alone by autocast",
+        "dropout", "native_dropout", "mean", "max", "min", "amax", "amin",
+        "argmax", "argmin", "topk", "sort", "argsort", "var", "std",
+        "var_mean", "any", "all",
+    ),
+    # batch_norm follows its input: cuDNN/oneDNN take low input, fp32 stats.
+    **_group(
+        "batch norm follows its input (fp32 statistics, low input)",
+        "batch_norm", "instance_norm",
+    ),
+})
+
+# --------------------------------------------------------------------------
+# BANNED: unsafe in low precision; refused unless allow_banned=True (then fp32).
+# --------------------------------------------------------------------------
+BANNED: Mapping[str, str] = MappingProxyType({
+    "binary_cross_entropy": (
+        "binary_cross_entropy is unsafe in low precision (its log saturates "
+        "and gradients overflow). Use torch.nn.functional."
+        "binary_cross_entropy_with_logits or torch.nn.BCEWithLogitsLoss on "
+        "the logits instead, or pass allow_banned=True to run it in fp32."
+    ),
+})
+
+# Normalisation ops whose parameters stay fp32 under keep_batchnorm_fp32 and
+# which run fp32 at O2.  batch_norm follows its input at O1 (cuDNN and oneDNN
+# accept low-precision input with fp32 statistics, as Apex relied on).
+NORM_OPS: frozenset[str] = frozenset({
+    "batch_norm", "instance_norm", "layer_norm", "group_norm", "rms_norm",
+})
+
+LOW_PRECISION_DTYPES = ("float16", "bfloat16")
+
+
+def all_tables() -> dict[str, Mapping[str, str]]:
+    """Return the tables by category name, in report order."""
+    return {"low": LOW, "fp32": FP32, "promote": PROMOTE, "banned": BANNED, "follow": FOLLOW}
+
+
+def table_of(op: str) -> str:
+    """Return the category of a canonical op name: low, fp32, promote, banned, follow or unknown."""
+    for category, table in all_tables().items():
+        if op in table:
+            return category
+    return "unknown"

@@ -1,0 +1,6 @@
+"""The ``torch.compile`` backend: ``torch.compile(model, backend="amp_fx")`` converts each graph Dynamo captures.
+
+:mod:`~amp_fx.dynamo.backend` is the entry point (``amp_fx.backend(...)``),
+:mod:`~amp_fx.dynamo.graph` reads Dynamo's graphs, :mod:`~amp_fx.dynamo.bodies`
+converts higher-order-op bodies, :mod:`~amp_fx.dynamo.report` merges reports.
+"""

@@ -1,0 +1,349 @@
+"""``torch.compile(model, backend="amp_fx")``: the amp_fx rewrite as a Dynamo compiler backend.
+
+Every graph Dynamo captures (one per piece of a graph-broken model, one per
+recompile) goes through the same analyses and passes as ``convert()``
+(:func:`amp_fx.core.pipeline.rewrite_graph`), then to an inner backend:
+``"inductor"`` (default), ``"aot_eager"``, ``"eager"``, any registered name,
+or any callable backend.  Parameters reach a Dynamo graph as placeholders;
+they are recognised as weights from Dynamo's sources
+(:mod:`amp_fx.dynamo.graph`), so each is cast once per forward and the
+report names them.
+
+Settings: ``torch.compile(m, backend=amp_fx.backend(level="O1", dtype=torch.bfloat16, inner="aot_eager"))``
+or ``torch.compile(m, backend="amp_fx", options={"level": "O1", "inner": "aot_eager"})``.
+
+Reports: :func:`last_report` returns the :class:`~amp_fx.dynamo.report.CompiledReport`
+of the model compiled (or recompiled) last, covering all its graphs; an
+:class:`AmpBackend` object also keeps its own in ``.report``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import weakref
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+
+from amp_fx.dynamo.bodies import convert_bodies, describe_region_nodes
+from amp_fx.dynamo.graph import graph_device_type, low_dtype_for, placeholder_params, relative_module_stacks
+from amp_fx.dynamo.report import CompiledReport
+from amp_fx.core.config import make_config
+from amp_fx.core.pass_manager import PassContext
+from amp_fx.core.pipeline import rewrite_graph
+from amp_fx.core.policy import Policy
+from amp_fx.frontend.tracing import user_frame
+
+__all__ = ["AmpBackend", "backend", "amp_fx_backend", "last_report", "CompiledReport"]
+
+logger = logging.getLogger("amp_fx.dynamo.backend")
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+_PARAM_LEVELS = ("O2", "O3")
+_LAST: list[Optional[CompiledReport]] = [None]
+
+
+def _o2_error(level: str) -> ValueError:
+    return ValueError(
+        f"level {level!r} keeps the parameters themselves in low precision, and a torch.compile backend only "
+        "sees graphs, never the model's parameters, so it cannot convert them. Convert first, then compile:\n"
+        f"    compiled = torch.compile(amp_fx.convert(model, level={level!r}))\n"
+        "(any inner backend, e.g. backend='inductor'). backend='amp_fx' supports O0 and O1."
+    )
+
+
+def _resolve_inner(inner: Union[str, Callable]) -> tuple[Callable, str]:
+    """The inner backend callable and its name."""
+    if callable(inner):
+        return inner, getattr(inner, "__name__", type(inner).__name__)
+    if not isinstance(inner, str):
+        raise TypeError(f"inner must be a backend name or a callable backend, got {inner!r}")
+    if inner == "amp_fx":
+        raise ValueError("inner='amp_fx' would convert every graph twice; name the backend that compiles the result")
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend(inner), inner
+
+
+@contextlib.contextmanager
+def _no_outer_autocast() -> Iterator[None]:
+    """Disable every active autocast: the graph already holds its casts (no op is cast twice)."""
+    active = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+    if not active:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for device in active:
+            stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+def _without_outer_autocast(compiled: Callable) -> Callable:
+    """Wrap a compiled graph so that it runs with any outer autocast disabled."""
+
+    # updated=(): attributes such as _boxed_call describe the inner callable's calling convention, not this one's
+    @functools.wraps(compiled, updated=())
+    def run(*args: Any) -> Any:
+        if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+            with _no_outer_autocast():
+                return compiled(*args)
+        return compiled(*args)
+
+    return run
+
+
+def _fake_mode(gm: fx.GraphModule) -> Any:
+    for node in gm.graph.nodes:
+        mode = getattr(node.meta.get("example_value"), "fake_mode", None)
+        if node.op == "placeholder" and mode is not None:
+            return mode
+    return None
+
+
+def _no_new_guards(gm: fx.GraphModule) -> Any:
+    """Keep the passes from adding shape guards to a dynamic-shape graph.
+
+    A pass that reads a symbolic size as a number (``int(s0)`` for a byte
+    estimate) would otherwise specialise the graph and force a recompile for
+    every new shape.  Sizes feed only cost estimates (cast bytes, min-cut
+    weights), which may use the hint; a pass whose *correctness* needs a size
+    (GEMM padding) must skip symbolic sizes (``not isinstance(size, int)``).
+    """
+    shape_env = getattr(_fake_mode(gm), "shape_env", None)
+    return shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()
+
+
+def _refresh_example_values(gm: fx.GraphModule) -> None:
+    """Recompute Dynamo's ``example_value`` on every node after the rewrite.
+
+    The casts amp_fx inserted have none, and the ops that now run low still
+    carry fp32 ones; inner backends (inductor's pre-grad passes) read them.
+    """
+    fakes = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = _fake_mode(gm)
+    if mode is None or any(v is None for v in fakes):
+        return
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    try:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    except Exception as error:  # the inner backend re-traces anyway; stale metadata is only a hint
+        logger.debug("could not refresh example values: %s", error)
+        return
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" and "val" in node.meta:
+            node.meta["example_value"] = node.meta.pop("val")
+
+
+def _name_weights(report: Any, names: Mapping[str, str]) -> None:
+    """Say ``fc1.weight`` instead of Dynamo's placeholder name in the report's cast reasons."""
+    for record in report.nodes:
+        if record.inserted and "weight cast" in record.reason:
+            source = record.reason.split("inserted: ", 1)[-1].split(" to ", 1)[0]
+            if source in names:
+                record.reason = record.reason.replace(f"inserted: {source} ", f"inserted: {names[source]} ", 1)
+
+
+def _graph_name(gm: fx.GraphModule) -> str:
+    for node in gm.graph.nodes:
+        if node.op.startswith("call") and not node.meta.get("amp_fx.inserted"):
+            where = user_frame(node.meta.get("stack_trace"))
+            if where:
+                return where
+    return "graph"
+
+
+class AmpBackend:
+    """A Dynamo backend: rewrite each captured graph for mixed precision, then compile it with ``inner``.
+
+    Build one with :func:`backend`.  ``report`` gathers every graph this
+    object converted (a :class:`CompiledReport`); after ``torch._dynamo.reset()``
+    (which discards the compiled code) new graphs go to a fresh report.
+    """
+
+    def __init__(self, level: str = "O1", dtype: Union[None, str, torch.dtype] = None,
+                 policy: Union[None, Policy, Mapping] = None, pad_gemm: Union[None, str, bool] = None,
+                 inner: Union[str, Callable] = "inductor", **options: Any):
+        if isinstance(level, str) and level.upper() in _PARAM_LEVELS:
+            raise _o2_error(level.upper())
+        if "example_inputs" in options or "leaf_modules" in options:
+            raise TypeError("example_inputs / leaf_modules are convert() options: Dynamo supplies the graphs and their values")
+        self.config = make_config(level, dtype=dtype, pad_gemm=pad_gemm, **options)
+        self.policy = Policy.coerce(policy)
+        self.inner_fn, self.inner_name = _resolve_inner(inner)
+        self.report = self._new_report()
+        self.__name__ = f"amp_fx[{self.config.level},{self.inner_name}]"
+
+    def _new_report(self) -> CompiledReport:
+        dtype_name = str(self.config.dtype).replace("torch.", "") if self.config.dtype else "auto"
+        report = CompiledReport(level=self.config.level, dtype=dtype_name, inner=self.inner_name)
+        if self.policy.rules:
+            report.notes.append("policy module names are not checked against the model: each graph holds only part of it")
+        return report
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        """Convert ``gm`` (in place), record its report, and return the inner backend's compiled callable."""
+        with _no_outer_autocast():
+            device = graph_device_type(gm, example_inputs)
+            config = self.config
+            if config.dtype is None:
+                config = dataclasses.replace(config, dtype=low_dtype_for(device))
+                self.report.dtype = str(config.dtype).replace("torch.", "")
+            ctx = PassContext(config=config, policy=self.policy, route="dynamo",
+                              placeholder_params=placeholder_params(gm, example_inputs))
+            ctx.extra["device_type"] = device
+            compile_id = _compile_id()
+            # Module policies and the report name modules as model.named_modules() does, whatever
+            # the compiled function called its module (self, m, s, a global, a closure).
+            relative_module_stacks(gm)
+            with _no_new_guards(gm):
+                # Checkpointed regions and subgraphs first: each body is converted and sealed on its own.
+                bodies = [] if config.op_mode == "none" else convert_bodies(
+                    gm, ctx.placeholder_params, functools.partial(self._convert_body, config, device, compile_id))
+                gm, report = rewrite_graph(gm, ctx, own_params=False,
+                                           notes=[f"Dynamo graph {compile_id}, converted by the torch.compile backend"])
+                if config.op_mode != "none":
+                    for _, _, body, _ in bodies:
+                        _refresh_example_values(body)
+                    _refresh_example_values(gm)
+            _name_weights(report, ctx.placeholder_params)
+            describe_region_nodes(report)
+            name = _graph_name(gm)
+            self.report.add(compile_id, name, report)
+            for body_name, op, _, body_report in bodies:
+                self.report.add(compile_id, f"{name} / {op} body {body_name}", body_report, region=op)
+            _LAST[0] = self.report
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("converted Dynamo graph %s: %s", compile_id, report.totals())
+            compiled = self.inner_fn(gm, example_inputs)
+        return _without_outer_autocast(compiled)
+
+    def _convert_body(self, config: Any, device: str, compile_id: str, body: fx.GraphModule,
+                      params: dict, name: str) -> tuple[fx.GraphModule, Any]:
+        """Run the pipeline on one higher-order op's body (see :mod:`amp_fx.dynamo.bodies`)."""
+        # A body's outputs are not the model's: they keep their traced dtypes (sealed afterwards).
+        config = dataclasses.replace(config, cast_model_outputs=None)
+        ctx = PassContext(config=config, policy=self.policy, route="dynamo", placeholder_params=params)
+        ctx.extra["device_type"] = device
+        body, report = rewrite_graph(body, ctx, own_params=False,
+                                     notes=[f"body {name} of Dynamo graph {compile_id}, converted by the torch.compile backend"])
+        _name_weights(report, params)
+        return body, report
+
+    def reset(self) -> None:
+        """Called by ``torch._dynamo.reset()``: later graphs go to a fresh report (a held one stays intact)."""
+        self.report = self._new_report()
+        reset = getattr(self.inner_fn, "reset", None)
+        if callable(reset):
+            reset()
+
+
+def _compile_id() -> str:
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    return str(compile_id) if compile_id is not None else "?"
+
+
+def backend(level: str = "O1", dtype: Union[None, str, torch.dtype] = None, policy: Union[None, Policy, Mapping] = None,
+            pad_gemm: Union[None, str, bool] = None, inner: Union[str, Callable] = "inductor", **options: Any) -> AmpBackend:
+    """Return a ``torch.compile`` backend that converts each captured graph, then compiles it with ``inner``.
+
+    Args:
+        level: ``"O1"`` (op tables; fp32 parameters cast once per forward in
+            the graph) or ``"O0"`` (graph unchanged).  ``"O2"``/``"O3"`` need
+            the model's parameters, which a backend never sees: they raise
+            and point to ``torch.compile(amp_fx.convert(model, level="O2"))``.
+        dtype: the low dtype; None picks float16 for CUDA graphs and bfloat16 otherwise.
+        policy: overrides, as for :func:`amp_fx.convert`.
+        pad_gemm: as for :func:`amp_fx.convert`.
+        inner: ``"inductor"``, ``"aot_eager"``, ``"eager"``, another registered
+            backend name, or a callable backend ``(gm, example_inputs) -> callable``.
+        **options: the other :func:`amp_fx.convert` options
+            (``keep_batchnorm_fp32``, ``cast_model_outputs``, ``on_unknown_op``,
+            ``allow_banned``, ``minimize_casts``).
+
+    The compiled graphs run with any outer ``torch.autocast`` disabled, since
+    they already hold their casts.
+    """
+    return AmpBackend(level=level, dtype=dtype, policy=policy, pad_gemm=pad_gemm, inner=inner, **options)
+
+
+# -- the registered name ----------------------------------------------------
+# torch.compile(m, backend="amp_fx", options={...}) builds one
+# torch._TorchCompileWrapper per call and invokes amp_fx_backend through it;
+# keying on that wrapper gives each compiled model its own AmpBackend (and so
+# its own report).  Without a wrapper, backends are shared per settings.
+_BY_WRAPPER: list[tuple[weakref.ref, AmpBackend]] = []
+_BY_SETTINGS: dict[str, AmpBackend] = {}
+
+
+def _calling_wrapper() -> Any:
+    """The ``torch._TorchCompileWrapper`` Dynamo is compiling with now, or None.
+
+    Dynamo's translator for the frame being compiled holds the compiler it
+    was given (``tx.output.compiler_fn``), wrapped for debugging; unwrapping
+    that chain finds the wrapper ``torch.compile`` built for this model.
+    """
+    wrapper_type = getattr(torch, "_TorchCompileWrapper", None)
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        compiler = InstructionTranslator.current_tx().output.compiler_fn
+    except (ImportError, AttributeError):  # not inside a Dynamo compile (called directly)
+        return None
+    for _ in range(8):
+        if compiler is None or (wrapper_type is not None and isinstance(compiler, wrapper_type)):
+            return compiler
+        compiler = getattr(compiler, "_torchdynamo_orig_backend", None) or getattr(compiler, "compiler_fn", None)
+    return None
+
+
+def _backend_for(options: Mapping[str, Any]) -> AmpBackend:
+    wrapper = _calling_wrapper()
+    if wrapper is not None:
+        _BY_WRAPPER[:] = [(ref, be) for ref, be in _BY_WRAPPER if ref() is not None]
+        for ref, be in _BY_WRAPPER:
+            if ref() is wrapper:
+                return be
+        created = backend(**options)
+        _BY_WRAPPER.append((weakref.ref(wrapper), created))
+        return created
+    key = repr(sorted(options.items(), key=lambda item: item[0]))
+    if key not in _BY_SETTINGS:
+        _BY_SETTINGS[key] = backend(**options)
+    return _BY_SETTINGS[key]
+
+
+def amp_fx_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: Optional[Mapping[str, Any]] = None,
+                   mode: Optional[str] = None) -> Callable:
+    """The backend registered as ``"amp_fx"``; ``torch.compile(..., options={...})`` passes :func:`backend`'s keywords."""
+    if mode not in (None, "default"):
+        raise ValueError(
+            f"mode={mode!r} tunes inductor; amp_fx has no modes. Pass a configured inner backend instead, "
+            "e.g. options={'inner': my_inductor_backend}."
+        )
+    return _backend_for(dict(options or {}))(gm, example_inputs)
+
+
+def _reset_registered() -> None:
+    for _, be in _BY_WRAPPER:
+        be.reset()
+    for be in _BY_SETTINGS.values():
+        be.reset()
+
+
+amp_fx_backend.reset = _reset_registered  # type: ignore[attr-defined]
+
+
+def last_report() -> Optional[CompiledReport]:
+    """The report of the model compiled (or recompiled) last with the amp_fx backend: all its graphs.
+
+    None before any graph was converted.  For a particular model, keep the
+    backend object: ``be = amp_fx.backend(...); torch.compile(m, backend=be); ...; be.report``.
+    """
+    return _LAST[0]

@@ -1,0 +1,193 @@
+"""Trace a model with ``torch.export`` for ``convert()``: constants bound, caches off, batch and sequence dynamic.
+
+What a user passes as example keyword inputs is split in two:
+
+- tensors become the graph's inputs;
+- everything else (``use_cache=False``, ``return_dict=True``, ``output_attentions=False``)
+  is a *constant*: bound into the traced forward, so the converted module
+  neither needs nor accepts it again.
+
+Hugging Face models build a key/value cache by default, which torch.export
+cannot return.  A model whose config has ``use_cache`` and whose forward
+takes it is traced with ``use_cache=False`` unless the user said otherwise:
+the converted graph is for training and scoring (loss, logits); generation
+goes through ``generate`` (see :mod:`amp_fx.frontend.hf`).
+
+Shapes: without ``dynamic_shapes=`` the first dimension of every tensor input
+(the batch) and the second dimension of every input that shares the token
+inputs' length (the sequence) are ``Dim.AUTO``: dynamic unless the model
+fixes them, in which case export keeps them static instead of failing.
+:func:`shape_notes` says which dimensions ended up dynamic.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.export import Dim
+
+__all__ = ["split_constants", "default_dynamic_shapes", "export_module", "shape_notes"]
+
+
+def _forward_parameters(model: nn.Module) -> tuple[set[str], bool]:
+    """(names of forward's parameters, whether it takes **kwargs)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return set(), True
+    return set(params), any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def split_constants(model: nn.Module, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split keyword inputs into (tensors, constants); add ``use_cache=False`` for a model that would build a cache."""
+    tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    names, var_kw = _forward_parameters(model)
+    config = getattr(model, "config", None)
+    if "use_cache" not in kwargs and getattr(config, "use_cache", None) is not None and ("use_cache" in names or var_kw):
+        constants["use_cache"] = False
+    return tensors, constants
+
+
+def default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: Mapping[str, torch.Tensor]) -> Optional[dict]:
+    """``Dim.AUTO`` for the batch dimension of every tensor and the sequence dimension of token-length inputs.
+
+    The sequence length is the second dimension of the first integer tensor
+    with two or more dimensions (``input_ids``); any input with the same size
+    there (``attention_mask``, ``labels``, ``inputs_embeds``) gets it too.
+    Returns torch.export's ``dynamic_shapes`` keyed by forward's argument
+    names, or None when there is no tensor input.
+    """
+    tensors = [v for v in list(args) + list(kwargs.values()) if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return None
+    tokens = next((t for t in tensors if t.dim() >= 2 and not t.is_floating_point() and not t.is_complex()), None)
+    seq_len = tokens.shape[1] if tokens is not None else None
+    batch = tensors[0].shape[0] if tensors[0].dim() else None
+
+    def spec(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return None
+        dims = {}
+        if value.shape[0] == batch:
+            dims[0] = Dim.AUTO
+        if seq_len is not None and value.dim() >= 2 and value.shape[1] == seq_len:
+            dims[1] = Dim.AUTO
+        return dims or None
+
+    try:
+        positional = [name for name, p in inspect.signature(model.forward).parameters.items()
+                      if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        positional = []
+    if len(positional) < len(args):
+        return None  # *args forward: leave shapes static rather than guess the names
+    shapes = {positional[i]: spec(a) for i, a in enumerate(args)}
+    shapes.update({k: spec(v) for k, v in kwargs.items()})
+    return shapes
+
+
+def _bound(model: nn.Module, constants: Mapping[str, Any]) -> nn.Module:
+    """A shallow copy of ``model`` whose forward supplies ``constants`` itself.
+
+    The copy shares the model's submodules, parameters and buffers (the same
+    dicts), so export names every weight exactly as the model does; the
+    model itself is not touched.
+    """
+    if not constants:
+        return model
+    forward = model.forward
+    try:
+        signature = inspect.signature(forward)
+        kept = [p for name, p in signature.parameters.items() if name not in constants]
+        signature = signature.replace(parameters=kept)
+    except (TypeError, ValueError):
+        signature = None
+
+    def forward_with_constants(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs, **constants)
+
+    if signature is not None:
+        forward_with_constants.__signature__ = signature  # type: ignore[attr-defined]
+    bound = copy.copy(model)
+    object.__setattr__(bound, "forward", forward_with_constants)
+    return bound
+
+
+def export_module(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
+                  dynamic_shapes: Any = None) -> tuple[fx.GraphModule, dict[str, Any], list[str]]:
+    """Export ``model`` (non-strict) and return (the unlifted GraphModule, the constants bound, notes for the report).
+
+    ``dynamic_shapes`` is torch.export's own argument, for the *tensor* inputs
+    (``{"input_ids": {0: Dim("batch"), 1: Dim("seq")}}``); None picks the
+    defaults described in the module docstring, ``False`` keeps every shape static.
+    """
+    tensors, constants = split_constants(model, kwargs)
+    bound = _bound(model, constants)
+    if dynamic_shapes is None:
+        shapes = default_dynamic_shapes(bound, args, tensors)
+    elif dynamic_shapes is False:
+        shapes = None
+    else:
+        shapes = dynamic_shapes
+        if isinstance(shapes, Mapping) and not args:
+            shapes = {k: v for k, v in shapes.items() if k in tensors}
+    exported = torch.export.export(bound, tuple(args), tensors, dynamic_shapes=shapes, strict=False)
+    if dynamic_shapes is None and shapes:
+        _warn_specialised(exported, shapes)
+    notes = []
+    if constants:
+        notes.append("constants of the traced forward (not inputs of the converted module): "
+                     + ", ".join(f"{k}={v!r}" for k, v in constants.items()))
+    notes.extend(shape_notes(exported))
+    return exported.module(), constants, notes
+
+
+def _user_input_values(exported: Any) -> dict[str, Any]:
+    """Each user input's name and its example value in the exported program."""
+    values = {}
+    placeholders = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
+    for spec in exported.graph_signature.input_specs:
+        if spec.kind.name == "USER_INPUT" and getattr(spec.arg, "name", None) in placeholders:
+            values[spec.arg.name] = placeholders[spec.arg.name].meta.get("val")
+    return values
+
+
+def _warn_specialised(exported: Any, shapes: Mapping[str, Any]) -> None:
+    """Warn when a dimension amp_fx asked to keep dynamic came out static (a size-1 batch, a model that fixes it)."""
+    values = _user_input_values(exported)
+    fixed = []
+    for name, dims in shapes.items():
+        value = values.get(name)
+        if not dims or not isinstance(value, torch.Tensor):
+            continue
+        fixed += [f"{name}.shape[{d}] == {value.shape[d]}" for d in dims if isinstance(value.shape[d], int)]
+    if fixed:
+        warnings.warn(
+            f"torch.export kept {', '.join(fixed)} static: the converted module only accepts that size there. "
+            "A size of 1 is always specialised (give an example with batch and sequence length of 2 or more); "
+            "otherwise the model fixes the size, or pass dynamic_shapes= to say what should vary.",
+            stacklevel=4,
+        )
+
+
+def shape_notes(exported: Any) -> list[str]:
+    """Say which input dimensions the exported program keeps dynamic."""
+    dynamic, static = [], []
+    for name, value in _user_input_values(exported).items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        sizes = ["?" if not isinstance(s, int) else str(s) for s in value.shape]
+        (dynamic if "?" in sizes else static).append(f"{name}[{', '.join(sizes)}]")
+    notes = []
+    if dynamic:
+        notes.append(f"torch.export: dynamic dimensions (?) in {', '.join(dynamic)}")
+    if static:
+        notes.append(f"torch.export: static shapes for {', '.join(static)} (pass dynamic_shapes= to change)")
+    return notes

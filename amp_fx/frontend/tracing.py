@@ -1,0 +1,269 @@
+"""Turn a model into a GraphModule: symbolic tracing first, torch.export second.
+
+The tracer records, for every node, the qualified name and type of each
+module it came from (``node.meta["nn_module_stack"]``) and the user source
+line (``node.meta["stack_trace"]``).  It traces *through* torch.nn modules
+that are pure functions of their parameters (Linear, Conv, LayerNorm, ...),
+so their weights appear as ``get_attr`` nodes whose casts the passes can see
+and share, and keeps as leaves the modules whose behaviour depends on
+``self.training`` or that fx cannot trace (BatchNorm, Dropout, RNNs,
+MultiheadAttention), plus any the user names.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import threading
+import traceback
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from amp_fx.frontend import regions, regions_export
+from amp_fx.core.casts import HELPERS
+from amp_fx.errors import AmpError, UnsupportedConstructError
+from amp_fx.frontend.export_guards import watched_export
+from amp_fx.frontend.train_flags import FROZEN_ATTR, TrainingReads
+
+__all__ = ["AmpTracer", "AmpTraceError", "trace_model", "DEFAULT_LEAF_TYPES", "module_stack_of", "user_frame"]
+
+# Modules kept whole: their forward reads self.training (tracing would freeze
+# train or eval mode into the graph) or is not symbolically traceable.
+DEFAULT_LEAF_TYPES: tuple[type, ...] = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.modules.dropout._DropoutNd,
+    nn.AlphaDropout,
+    nn.RReLU,
+    nn.RNNBase,
+    nn.RNNCellBase,
+    nn.MultiheadAttention,
+)
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_AMP_FX_DIR = os.path.dirname(__file__)
+# fx tracing patches torch.nn.Module.__call__/__getattr__ for every thread: convert() holds this
+# lock throughout, so a conversion in one thread never runs a module while another traces.
+_TRACE_LOCK = threading.RLock()
+
+
+class AmpTraceError(AmpError, RuntimeError):
+    """The model could not be turned into a graph; the message says where and what to do."""
+
+
+class AmpTracer(fx.Tracer):
+    """fx tracer that records module scope and source lines and honours user leaf modules."""
+
+    # Buffers are graph values: an in-place update in forward (a step counter, an EMA) is
+    # recorded and runs every call, instead of running once on the model during tracing.
+    proxy_buffer_attributes = True
+
+    def __init__(self, leaf_modules: Iterable[Union[type, str]] = ()):
+        super().__init__(autowrap_functions=HELPERS)
+        self._tensor_names: Optional[tuple[dict[int, str], dict[int, str]]] = None
+        leaves = tuple(leaf_modules)
+        self.leaf_types = tuple(t for t in leaves if isinstance(t, type))
+        self.leaf_names = frozenset(n for n in leaves if isinstance(n, str))
+        bad = [leaf for leaf in leaves if not isinstance(leaf, (type, str))]
+        if bad:
+            raise TypeError(f"leaf_modules takes module types or qualified module names, got {bad!r}")
+
+    def trace(self, root: Any, concrete_args: Optional[dict] = None) -> fx.Graph:
+        self._tensor_names = None
+        self._training_reads = TrainingReads()
+        graph = None
+        try:
+            # grad-mode / autocast regions become marker nodes (amp_fx/frontend/regions.py)
+            with regions.recording(self), self._front_end_hooks():
+                graph = super().trace(root, concrete_args)
+        finally:
+            self._training_reads.restore(graph)
+        return graph
+
+    def _front_end_hooks(self) -> Any:
+        """Keep custom autograd Functions and checkpoint calls; refuse state changes and unknown contexts (amp_fx/frontend/trace_hooks.py)."""
+        from amp_fx.frontend.trace_hooks import front_end_hooks
+
+        return front_end_hooks(self)
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> Any:
+        """Make the placeholders, then the runtime reads of ``self.training`` (amp_fx/frontend/train_flags.py)."""
+        result = super().create_args_for_root(root_fn, is_module, concrete_args)
+        if is_module:
+            self._training_reads.install(self, self.root)
+        return result
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        """Proxy parameters and buffers through a name index.
+
+        fx's own lookup scans every parameter of the model for each attribute
+        access, which makes tracing quadratic in model size.
+        """
+        if not isinstance(attr_val, torch.Tensor):
+            return attr_val
+        if self._tensor_names is None:
+            params: dict[int, str] = {}
+            buffers: dict[int, str] = {}
+            for name, p in self.root.named_parameters():
+                params.setdefault(id(p), name)
+            for name, b in self.root.named_buffers():
+                buffers.setdefault(id(b), name)
+            self._tensor_names = (params, buffers)
+        params, buffers = self._tensor_names
+        name = params.get(id(attr_val)) if isinstance(attr_val, nn.Parameter) else None
+        if name is None and self.proxy_buffer_attributes:
+            name = buffers.get(id(attr_val))
+        if name is None:
+            return attr_val
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        """Create a node and record the innermost user source line that made it.
+
+        Cheaper than fx's ``record_stack_traces``, which formats the whole
+        stack for every node.
+        """
+        node = super().create_node(*args, **kwargs)
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith((_TORCH_DIR, _AMP_FX_DIR)):
+            frame = frame.f_back
+        if frame is not None:
+            filename, lineno = frame.f_code.co_filename, frame.f_lineno
+            code = linecache.getline(filename, lineno).strip()
+            node.meta["stack_trace"] = f'  File "{filename}", line {lineno}, in {frame.f_code.co_name}\n    {code}\n'
+        return node
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.leaf_names or isinstance(m, self.leaf_types):
+            return True
+        return isinstance(m, DEFAULT_LEAF_TYPES)
+
+
+def user_frame(stack_trace: Optional[str]) -> Optional[str]:
+    """Return ``"file:line in fn: code"`` for the innermost frame outside torch and amp_fx."""
+    if not stack_trace:
+        return None
+    lines = stack_trace.strip().splitlines()
+    best = None
+    for i, line in enumerate(lines):
+        line = line.strip()
+        if not line.startswith("File "):
+            continue
+        try:
+            path = line.split('"')[1]
+        except IndexError:
+            continue
+        if path.startswith(_TORCH_DIR) or path.startswith(_AMP_FX_DIR):
+            continue
+        code = lines[i + 1].strip() if i + 1 < len(lines) and not lines[i + 1].strip().startswith("File ") else ""
+        where = line.replace("File ", "").replace('"', "").replace(", line ", ":").replace(", in ", " in ")
+        best = f"{where}: {code}" if code else where
+    return best
+
+
+def module_stack_of(node: fx.Node) -> list[tuple[str, Any]]:
+    """Return (qualified name, type) of the modules enclosing ``node``, innermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    out = []
+    for key, value in stack.items():
+        path, module_type = value if isinstance(value, tuple) else (key, None)
+        out.append((_clean_path(str(path)), module_type))
+    return out[::-1]
+
+
+def _clean_path(path: str) -> str:
+    # torch.export writes paths as "L['self'].layers[0].attn" or "layers.0.attn".
+    for prefix in ("L['self'].", "L['self']"):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+    return path.replace("[", ".").replace("]", "").replace("'", "")
+
+
+def _symbolic_trace(model: nn.Module, tracer: AmpTracer, module_class: type) -> fx.GraphModule:
+    graph = tracer.trace(model)
+    return module_class(tracer.root, graph, type(model).__name__)
+
+
+def _export_trace(model: nn.Module, args: tuple, kwargs: dict, module_class: type, dynamic_shapes: Any = None) -> fx.GraphModule:
+    # constants bound, caches off, batch/sequence dynamic; Hugging Face interface kept (amp_fx/frontend/export_route.py, amp_fx/frontend/hf.py)
+    from amp_fx.frontend import export_route, hf
+
+    with regions_export.exporting() as notes:  # inference_mode kept as no_grad; regions export drops are noted
+        unlifted, constants, export_notes = export_route.export_module(model, args, kwargs, dynamic_shapes)
+    regions_export.inline_region_hops(unlifted)  # grad-mode / autocast bodies inline, between markers
+    setattr(unlifted.graph, regions_export.NOTES_ATTR, list(dict.fromkeys(notes)))
+    # torch.export specialises every train/eval branch: the converted module warns when .train()/.eval() differ
+    setattr(unlifted.graph, FROZEN_ATTR, {path: (m.training, "traced with torch.export") for path, m in model.named_modules()})
+    gm = unlifted if module_class is fx.GraphModule else module_class(unlifted, unlifted.graph, type(model).__name__)
+    gm.amp_fx_trace_notes = export_notes  # constants bound, dynamic dimensions: for the report
+    hf.attach_interface(gm, model, constants)
+    return gm
+
+
+def _describe_failure(error: BaseException, tracer: AmpTracer) -> str:
+    frames = traceback.extract_tb(error.__traceback__)
+    user = [f for f in frames if not f.filename.startswith(_TORCH_DIR) and not f.filename.startswith(_AMP_FX_DIR)]
+    where = f"{user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else "unknown source line"
+    scope = list(getattr(tracer, "module_stack", {}) or {})
+    module = scope[-1] if scope and scope[-1] else "<root module>"
+    return f"{type(error).__name__}: {error}\n  in module {module!r}\n  at {where}"
+
+
+def trace_model(
+    model: nn.Module,
+    *,
+    leaf_modules: Sequence[Union[type, str]] = (),
+    example_inputs: Optional[tuple] = None,
+    example_kwarg_inputs: Optional[dict] = None,
+    module_class: type = fx.GraphModule,
+    dynamic_shapes: Any = None,
+) -> tuple[fx.GraphModule, str]:
+    """Trace ``model``; return the GraphModule and the route taken ("symbolic_trace" or "torch.export").
+
+    Symbolic tracing is tried first.  When it fails and example inputs were
+    given, ``torch.export`` (non-strict) traces the model at the ATen level.
+    When neither works, :class:`AmpTraceError` says what failed, where, and
+    the ways out.  ``module_class`` is the GraphModule subclass to build;
+    ``dynamic_shapes`` is torch.export's (see :mod:`amp_fx.frontend.export_route`).
+    """
+    tracer = AmpTracer(leaf_modules)
+    try:
+        with _TRACE_LOCK:
+            return _symbolic_trace(model, tracer, module_class), "symbolic_trace"
+    except UnsupportedConstructError:
+        raise  # a refusal already names the construct, its line and the routes that work
+    except Exception as error:  # any tracing failure: report it with context below
+        symbolic_error = error
+        failure = _describe_failure(error, tracer)
+    if example_inputs is not None or example_kwarg_inputs is not None:
+        try:
+            args, kwargs = tuple(example_inputs or ()), dict(example_kwarg_inputs or {})
+            # refuse what torch.export would drop silently (amp_fx/frontend/export_guards.py)
+            return watched_export(model, lambda: _export_trace(model, args, kwargs, module_class, dynamic_shapes)), "torch.export"
+        except UnsupportedConstructError:
+            raise
+        except Exception as error:
+            raise AmpTraceError(
+                f"amp_fx could not trace {type(model).__name__}.\n"
+                f"symbolic_trace failed: {failure}\n"
+                f"torch.export failed too: {type(error).__name__}: {error}\n"
+                "Ways out: mark the module that fails as a leaf (leaf_modules=[...]), "
+                "or compile the model with torch.compile(model, backend='amp_fx'), which handles "
+                "data-dependent Python through graph breaks."
+            ) from error
+    from amp_fx.frontend import hf
+
+    failure = failure.replace("'<root module>'", f"{type(model).__name__} (the model itself)")
+    raise AmpTraceError(
+        f"amp_fx could not trace {type(model).__name__} with torch.fx.symbolic_trace.\n"
+        f"{failure}\n{hf.untraceable_hint(model)}"
+        "Ways out: (1) leaf_modules=[TheModuleType or 'its.name'] keeps the failing module whole; "
+        "(2) example_inputs=(x, ...) lets amp_fx trace with torch.export instead; "
+        "(3) torch.compile(model, backend='amp_fx') converts whatever Dynamo captures."
+    ) from symbolic_error

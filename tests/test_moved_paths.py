@@ -1,0 +1,61 @@
+"""The subpackage layout: old flat module paths still import (with a warning), and no module shadows a public name."""
+
+import importlib
+import pathlib
+import pickle
+import sys
+import warnings
+
+import pytest
+import torch
+
+import amp_fx
+from amp_fx._moved import MOVED
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_module_path_imports_the_moved_module_with_a_warning_naming_the_new_path(old):
+    new = MOVED[old]
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+        module = importlib.import_module(old)
+    if old == "amp_fx.backend":
+        assert module.AmpBackend is importlib.import_module(new).AmpBackend
+    else:
+        assert module is importlib.import_module(new)
+
+
+def test_importing_the_old_backend_module_leaves_amp_fx_backend_callable():
+    sys.modules.pop("amp_fx.backend", None)
+    with pytest.warns(DeprecationWarning):
+        import amp_fx.backend  # noqa: F401  (the path a 0.1 script imports)
+    built = amp_fx.backend(level="O1")
+    assert isinstance(built, amp_fx.AmpBackend)
+    assert amp_fx.backend.AmpBackend is amp_fx.AmpBackend
+
+
+def test_no_module_or_subpackage_shadows_a_public_name():
+    package = pathlib.Path(amp_fx.__file__).parent
+    modules = {path.stem for path in package.glob("*.py")} | {path.name for path in package.iterdir() if path.is_dir()}
+    assert not modules & set(amp_fx.__all__)
+
+
+def test_a_graph_module_pickled_before_the_move_still_loads():
+    from torch.fx.graph import _register_custom_builtin
+    from amp_fx.core.casts import amp_cast
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    converted = amp_fx.convert(model, level="O1")
+    # Pickle as 0.1 did: its graphs imported the cast helper from the flat path.
+    _register_custom_builtin("amp_cast", "from amp_fx.casts import amp_cast", amp_cast)
+    try:
+        old_blob = pickle.dumps(converted)
+    finally:
+        _register_custom_builtin("amp_cast", "from amp_fx.core.casts import amp_cast", amp_cast)
+    assert b"from amp_fx.casts import amp_cast" in old_blob, "the graph no longer calls amp_cast; update this test"
+    sys.modules.pop("amp_fx.casts", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        loaded = pickle.loads(old_blob)
+    x = torch.randn(2, 4)
+    assert torch.equal(loaded(x), converted(x))
