@@ -19,6 +19,8 @@ import sys
 import textwrap
 from typing import Any, Callable, Optional, Sequence
 
+from amp_fx.errors import AmpError
+
 __all__ = ["main", "build_parser", "load_factory", "parse_shape", "CliError"]
 
 _INPUT_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32")
@@ -31,7 +33,7 @@ _TITLES = {
 }
 
 
-class CliError(Exception):
+class CliError(AmpError):
     """A usage problem; the message says what was wrong and what to give instead."""
 
 

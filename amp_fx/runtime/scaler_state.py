@@ -5,11 +5,16 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+from amp_fx.errors import AmpError
+
 __all__ = ["LossScalerStateError", "ScalerStateMixin"]
 
 
-class LossScalerStateError(RuntimeError):
-    """A saved scaler state does not fit this scaler's configuration."""
+class LossScalerStateError(AmpError, RuntimeError):
+    """A saved scaler state does not fit this scaler's configuration.
+
+    An :class:`~amp_fx.errors.AmpError`; still a RuntimeError, so existing ``except RuntimeError`` keeps catching it.
+    """
 
 
 def _fp32(x: float) -> float:
