@@ -48,6 +48,7 @@ from torch.utils import _pytree as pytree
 from amp_fx.core import meta, tables
 from amp_fx.core.casts import amp_cast
 from amp_fx.core.dtype_rules import explicit_dtype, rule_value, widest
+from amp_fx.core.graph_module import switching_modes
 from amp_fx.core.meta import ValueInfo, may_be_float_tensor
 from amp_fx.core.op_keys import CAST_OPS
 
@@ -93,7 +94,8 @@ class Analysis:
 def eval_mode(module: torch.nn.Module) -> Iterator[None]:
     """Run in eval mode and restore every submodule's flag (so analysis updates no statistics)."""
     flags = [(m, m.training) for m in module.modules()]
-    module.eval()
+    with switching_modes():  # amp_fx's own switch: a converted module frozen in train mode does not warn
+        module.eval()
     try:
         yield
     finally:

@@ -24,19 +24,19 @@ It is an ordinary ``torch.fx.GraphModule`` with three additions:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
-import os
-import sys
 import warnings
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from amp_fx.core.outer_autocast import call_without_outer_autocast
 from amp_fx.frontend.train_flags import FROZEN_ATTR
 
-__all__ = ["AmpGraphModule", "AMP_ATTRIBUTES", "FrozenTrainingWarning"]
+__all__ = ["AmpGraphModule", "AMP_ATTRIBUTES", "FrozenTrainingWarning", "switching_modes"]
 
 # Attributes that describe a conversion; carried through deepcopy and pickle.
 AMP_ATTRIBUTES = ("amp_report", "amp_config", "amp_fx_masters", "amp_fx_source_dtypes", "amp_fx_input_dtypes", FROZEN_ATTR)
@@ -81,9 +81,6 @@ def _own_modules(gm: nn.Module, root: nn.Module) -> None:
         source = sources.get(path)
         if source is not None and path and isinstance(source.training, bool):
             module.training = source.training
-_AUTOCAST_DEVICES = ("cpu", "cuda")
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_AMP_FX_DIR = os.path.dirname(__file__)
 
 
 def _restore_source_dtypes(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -103,14 +100,19 @@ def _rebuild(reduce_fn: Any, reduce_args: tuple, class_name: str) -> "AmpGraphMo
     return rebuilt
 
 
-def _called_by_amp_fx() -> bool:
-    """True when the nearest caller outside torch is amp_fx itself (an analysis switching modes briefly)."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
-        frame = frame.f_back
-    passes = getattr(sys.modules.get("amp_fx.passes"), "__file__", None)
-    ours = (_AMP_FX_DIR,) + ((os.path.dirname(passes),) if passes else ())
-    return frame is not None and frame.f_code.co_filename.startswith(ours)
+# Set while amp_fx itself switches a module's train/eval mode (an analysis running briefly in eval,
+# convert() restoring the traced mode): those switches are not the user's and do not warn.
+_AMP_FX_SWITCHING: contextvars.ContextVar[bool] = contextvars.ContextVar("amp_fx_switching_modes", default=False)
+
+
+@contextlib.contextmanager
+def switching_modes() -> Iterator[None]:
+    """Mark the ``.train()`` / ``.eval()`` calls inside the block as amp_fx's own: no FrozenTrainingWarning."""
+    token = _AMP_FX_SWITCHING.set(True)
+    try:
+        yield
+    finally:
+        _AMP_FX_SWITCHING.reset(token)
 
 
 def _check_input_dtypes(expected: dict, args: tuple, kwargs: dict) -> None:
@@ -156,14 +158,8 @@ class AmpGraphModule(fx.GraphModule):
             _check_input_dtypes(expected, args, kwargs)
         grad = torch.is_grad_enabled()
         try:
-            active = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
-            if not active:
-                return super().__call__(*args, **kwargs)
             # The graph already casts explicitly: an outer autocast would cast again.
-            with contextlib.ExitStack() as stack:
-                for device in active:
-                    stack.enter_context(torch.autocast(device, enabled=False))
-                return super().__call__(*args, **kwargs)
+            return call_without_outer_autocast(super().__call__, *args, **kwargs)
         except BaseException:
             torch._C._set_grad_enabled(grad)  # a no_grad region the error left open must not leak
             raise
@@ -182,7 +178,7 @@ class AmpGraphModule(fx.GraphModule):
         """Set train/eval mode on this module and its own submodules; warn once if the graph was specialised."""
         result = super().train(mode)
         frozen = self.__dict__.get(FROZEN_ATTR)
-        if frozen and not self.__dict__.get("_amp_fx_warned_frozen") and not _called_by_amp_fx():
+        if frozen and not self.__dict__.get("_amp_fx_warned_frozen") and not _AMP_FX_SWITCHING.get():
             changed = [(path, value, where) for path, (value, where) in frozen.items() if self._flag_at(path) != value]
             if changed:
                 self._amp_fx_warned_frozen = True
