@@ -8,7 +8,7 @@ normalisation ops stay fp32.  Which tensors belong to a norm is read from
 the graph (the tensors a norm node consumes, or the whole leaf module it
 calls), so it works on symbolic and ``torch.export`` graphs alike.
 
-Records ``ctx.extra["source_dtypes"]``: state-dict key -> original dtype,
+Records ``ctx.source_dtypes``: state-dict key -> original dtype,
 so ``state_dict()`` can hand back the model's dtypes.
 """
 
@@ -45,7 +45,7 @@ def cast_params(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     keep = norm_tensor_names(gm) if ctx.config.keep_batchnorm_fp32 else set()
     # read only by the model's autocast(enabled=False) regions (honour_autocast_regions marks them): stay fp32
     keep |= {n.meta["amp_fx.param"] for n in gm.graph.nodes if n.meta.get("amp_fx.keep_fp32") and n.meta.get("amp_fx.param")}
-    source_dtypes: dict[str, torch.dtype] = ctx.extra.setdefault("source_dtypes", {})
+    source_dtypes = ctx.source_dtypes
     cast = 0
     kept_float64 = []
     for name, tensor in list(gm.named_parameters()) + list(gm.named_buffers()):

@@ -63,19 +63,6 @@ def is_autocast_exit(node: fx.Node) -> bool:
     return marker_role(node) == ("exit", "autocast")
 
 
-def _graph_device(gm: fx.GraphModule, ctx: PassContext) -> str:
-    """The device type of the graph's floating tensors (the backend may tell it through ctx.extra)."""
-    if "device_type" in ctx.extra:
-        return ctx.extra["device_type"]
-    for node in gm.graph.nodes:
-        value = node.meta.get("example_value", node.meta.get("val"))
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.device.type
-    for tensor in gm.parameters():
-        return tensor.device.type
-    return "cpu"
-
-
 def _returns_nothing(node: fx.Node) -> bool:
     """True for checks such as export's ``_assert_tensor_metadata``: they compute nothing to pin."""
     target = node.target
@@ -194,7 +181,7 @@ def _mark_fp32_only_weights(graph: fx.Graph) -> int:
 
 def honour_autocast_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Paint the nodes of the model's grad-mode and autocast regions and erase the autocast markers."""
-    device = _graph_device(gm, ctx)
+    device = ctx.device_for(gm)
     graph = gm.graph
     stacks = region_stacks(graph)
     autocast_markers = [n for n in graph.nodes if marker_role(n) is not None and marker_role(n)[1] == "autocast"]

@@ -207,12 +207,6 @@ def should_pad(gemm: Gemm, mode: Any, on_cuda: bool, alignment: int) -> tuple[bo
 # --------------------------------------------------------------------------
 # The rewrite
 # --------------------------------------------------------------------------
-def _on_cuda(gm: fx.GraphModule, ctx: PassContext) -> bool:
-    tensors = list(gm.parameters()) + list(gm.buffers()) + [t for t in ctx.example_inputs or () if isinstance(t, torch.Tensor)]
-    tensors += [getattr(n.meta.get(VALUE), "fake", None) for n in gm.graph.nodes if n.op == "placeholder"]
-    return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tensors)
-
-
 def _annotate(node: fx.Node, like: fx.Node, op: str, shape: Optional[tuple], reason: str) -> None:
     for key in ("amp_fx.is_tensor", "amp_fx.is_float", "amp_fx.module_path", "amp_fx.module_stack", "amp_fx.source",
                 "stack_trace", "nn_module_stack", FLOAT_KEY):
@@ -316,8 +310,8 @@ def _describe(gemm: Gemm, padded: Optional[tuple], why: str) -> str:
 def pad_gemm(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Pad the K and N of low-precision GEMMs to ``alignment`` (see module docstring)."""
     mode = ctx.config.pad_gemm
-    alignment = ctx.extra.get("pad_gemm_alignment") or alignment_for(ctx.low)
-    on_cuda = _on_cuda(gm, ctx)
+    alignment = alignment_for(ctx.low)
+    on_cuda = ctx.device_for(gm) == "cuda"
     padder = _Padder(gm.graph)
     gemms, lines = [], []
     for node in list(gm.graph.nodes):

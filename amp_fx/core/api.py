@@ -19,8 +19,9 @@ import torch.nn as nn
 
 from amp_fx.core import tables
 from amp_fx.core.config import AmpConfig, make_config
+from amp_fx.core.devices import device_type_of
 from amp_fx.errors import AlreadyConvertedError
-from amp_fx.core.graph_module import AmpGraphModule
+from amp_fx.core.graph_module import AmpGraphModule, switching_modes
 from amp_fx.core.op_keys import CAST_OPS, canonical_op
 from amp_fx.core.pass_manager import PassContext
 from amp_fx.core.pipeline import rewrite_graph
@@ -190,11 +191,12 @@ def convert(
     """
     _check_model(model)
     _check_inputs(example_inputs, example_kwarg_inputs)
+    device = device_type_of(model, list(example_inputs or ()) + list((example_kwarg_inputs or {}).values()))
     config = make_config(
         level, dtype=dtype, keep_batchnorm_fp32=keep_batchnorm_fp32, cast_model_outputs=cast_model_outputs,
         on_unknown_op=on_unknown_op, allow_banned=allow_banned, minimize_casts=minimize_casts, pad_gemm=pad_gemm,
         fuse_precision=fuse_precision, cache_casts=cache_casts,
-    ).with_dtype_for(model)
+    ).for_device(device)
     policy = Policy.coerce(policy)
     if isinstance(model, AmpGraphModule) and hasattr(model, "amp_config"):
         return _reconvert(model, config)
@@ -215,7 +217,7 @@ def convert(
     ctx = PassContext(config=config, policy=policy,
                       example_inputs=tuple(example_inputs) if example_inputs is not None else None,
                       example_kwarg_inputs=dict(example_kwarg_inputs) if example_kwarg_inputs else None,
-                      route=route)
+                      route=route, device_type=device)
     notes = _tensor_notes(model)
     notes.extend(getattr(gm, "amp_fx_trace_notes", ()))  # what the export route fixed or kept dynamic
     if route == "torch.export":
@@ -224,14 +226,15 @@ def convert(
 
     result = gm
     if route != "symbolic_trace":  # a traced module already has each module's own flag (AmpGraphModule)
-        result.train(model.training)
+        with switching_modes():  # the mode it was traced in: no frozen-mode warning
+            result.train(model.training)
     result.amp_report = report
     result.amp_config = config
     # The casts were placed for the example inputs' floating dtypes: calls with other dtypes are refused.
     examples = {**dict(enumerate(example_inputs or ())), **dict(example_kwarg_inputs or {})}
     result.amp_fx_input_dtypes = {key: value.dtype for key, value in examples.items()
                                   if isinstance(value, torch.Tensor) and value.is_floating_point()}
-    result.amp_fx_source_dtypes = dict(ctx.extra.get("source_dtypes", {}))
+    result.amp_fx_source_dtypes = dict(ctx.source_dtypes)
     if config.master_weights and owns_params:
         originals = dict(model.named_parameters())
         result.amp_fx_masters = {name: originals[name] for name, _ in result.named_parameters() if name in originals}

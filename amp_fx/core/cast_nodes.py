@@ -134,7 +134,9 @@ class CastBuilder:
                 m[key] = value.meta[key]
         m[meta.OP] = "to"
         m[meta.DECISION] = "cast"
-        m[meta.REASON] = f"inserted: {value.name} to {str(dtype).replace('torch.', '')}"
+        # A Dynamo graph's weights are placeholders with machine names: name the weight (fc1.weight) instead.
+        weight = value.meta.get(meta.PARAM) if value.op == "placeholder" else None
+        m[meta.REASON] = f"inserted: {weight or value.name} to {str(dtype).replace('torch.', '')}"
         m[meta.INSERTED] = True
         m[meta.CAST_OF] = (value.name, meta.float_dtype(value) or value.meta.get(meta.ORIG_DTYPE), dtype)
         m[meta.WEIGHT_CAST] = value.meta.get(meta.PARAM) is not None

@@ -2,8 +2,8 @@
 
 A level is a preset of properties; every property can be overridden by
 keyword.  Precedence: explicit keyword > level preset.  ``dtype=None`` is
-resolved by :func:`resolve_dtype` from the model's device (float16 on CUDA,
-bfloat16 on CPU, as autocast does).
+resolved by :meth:`AmpConfig.for_device` from the model's device type
+(float16 on CUDA, bfloat16 elsewhere, as autocast does).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-__all__ = ["AmpConfig", "LEVELS", "make_config", "parse_dtype", "resolve_dtype"]
+from amp_fx.core.devices import device_type_of, low_dtype_for
+
+__all__ = ["AmpConfig", "LEVELS", "make_config", "parse_dtype"]
 
 LEVELS = ("O0", "O1", "O2", "O3")
 
@@ -61,18 +63,6 @@ def parse_dtype(dtype: Union[None, str, torch.dtype], *, what: str = "dtype") ->
     )
 
 
-def resolve_dtype(dtype: Optional[torch.dtype], module: Optional[torch.nn.Module]) -> torch.dtype:
-    """Pick the low dtype: the explicit one, else float16 for a CUDA model and bfloat16 otherwise."""
-    if dtype is not None:
-        return dtype
-    if module is not None:
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            if tensor.device.type == "cuda":
-                return torch.float16
-            break
-    return torch.bfloat16
-
-
 @dataclass(frozen=True)
 class AmpConfig:
     """Every property of a conversion, resolved from a level and overrides."""
@@ -99,9 +89,13 @@ class AmpConfig:
         """The resolved low dtype (bfloat16 when no model told otherwise)."""
         return self.dtype or torch.bfloat16
 
+    def for_device(self, device_type: str) -> "AmpConfig":
+        """Return a copy whose unset ``dtype`` is autocast's for ``device_type`` (float16 on CUDA, else bfloat16)."""
+        return self if self.dtype is not None else dataclasses.replace(self, dtype=low_dtype_for(device_type))
+
     def with_dtype_for(self, module: Optional[torch.nn.Module]) -> "AmpConfig":
-        """Return a copy with ``dtype`` resolved from ``module``'s device."""
-        return dataclasses.replace(self, dtype=resolve_dtype(self.dtype, module))
+        """Return a copy with ``dtype`` resolved from ``module``'s device type (:func:`amp_fx.core.devices.device_type_of`)."""
+        return self.for_device(device_type_of(module))
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-serialisable dict (dtypes as their names)."""

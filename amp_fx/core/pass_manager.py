@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from amp_fx.core.config import AmpConfig
+from amp_fx.core.devices import device_type_of
 from amp_fx.errors import AmpError
 from amp_fx.core.policy import Policy
 
@@ -30,18 +31,22 @@ logger = logging.getLogger("amp_fx")
 
 @dataclass
 class PassContext:
-    """What every pass may read: the config, the policy, example inputs, and per-pass stats."""
+    """What every pass may read: the config, the policy, example inputs, the device, and per-pass stats."""
 
     config: AmpConfig
     policy: Policy = field(default_factory=Policy)
     example_inputs: Optional[tuple] = None
     example_kwarg_inputs: Optional[dict] = None
     route: str = "symbolic_trace"
+    # The device type of the graph's floating tensors ("cpu", "cuda", ...), decided once by
+    # amp_fx.core.devices.device_type_of: convert() and the backend fill it; passes read it through device_for().
+    device_type: Optional[str] = None
     # The module parameters of a Dynamo graph arrive as placeholders; the
-    # backend fills this with placeholder name -> parameter FQN.
+    # backend fills this with placeholder name -> parameter FQN (the weight's name in reports).
     placeholder_params: dict[str, str] = field(default_factory=dict)
+    # State-dict key -> dtype before cast_params lowered it; convert() hands it to the module's state_dict hook.
+    source_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
     # Fake-kernel results of the dtype analysis, keyed by node and input dtypes:
     # analysing another paint re-runs only the nodes whose inputs changed.
     analysis_cache: dict = field(default_factory=dict)
@@ -49,6 +54,13 @@ class PassContext:
     fake_mode: Any = None
     # The dtype analysis stored on the nodes last (amp_fx.core.analysis.Analysis).
     analysis: Any = None
+
+    def device_for(self, gm: Optional[fx.GraphModule]) -> str:
+        """``device_type``; when no caller decided it (a pass run on its own), decided now from ``gm``, once."""
+        if self.device_type is None:
+            examples = list(self.example_inputs or ()) + list((self.example_kwarg_inputs or {}).values())
+            self.device_type = device_type_of(gm, examples)
+        return self.device_type
 
     @property
     def low(self) -> torch.dtype:
@@ -84,6 +96,7 @@ def _dump(gm: fx.GraphModule, pass_name: str, stage: str, index: int) -> None:
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[AmpPass]) -> fx.GraphModule:
     """Apply ``passes`` in order, linting and recompiling after each; return the final module."""
+    ctx.device_for(gm)  # decided before the first pass rewrites the graph it is read from
     for index, pass_fn in enumerate(passes):
         name = getattr(pass_fn, "__name__", repr(pass_fn))
         _dump(gm, name, "before", index)

@@ -24,15 +24,17 @@ import dataclasses
 import functools
 import logging
 import weakref
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
 
 from amp_fx.dynamo.bodies import convert_bodies, describe_region_nodes
-from amp_fx.dynamo.graph import graph_device_type, low_dtype_for, placeholder_params, relative_module_stacks
+from amp_fx.dynamo.graph import placeholder_params, relative_module_stacks
 from amp_fx.dynamo.report import CompiledReport
 from amp_fx.core.config import make_config
+from amp_fx.core.devices import device_type_of
+from amp_fx.core.outer_autocast import call_without_outer_autocast, no_outer_autocast
 from amp_fx.core.pass_manager import PassContext
 from amp_fx.core.pipeline import rewrite_graph
 from amp_fx.core.policy import Policy
@@ -42,7 +44,6 @@ __all__ = ["AmpBackend", "backend", "amp_fx_backend", "last_report", "CompiledRe
 
 logger = logging.getLogger("amp_fx.dynamo.backend")
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
 _PARAM_LEVELS = ("O2", "O3")
 _LAST: list[Optional[CompiledReport]] = [None]
 
@@ -69,29 +70,13 @@ def _resolve_inner(inner: Union[str, Callable]) -> tuple[Callable, str]:
     return lookup_backend(inner), inner
 
 
-@contextlib.contextmanager
-def _no_outer_autocast() -> Iterator[None]:
-    """Disable every active autocast: the graph already holds its casts (no op is cast twice)."""
-    active = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
-    if not active:
-        yield
-        return
-    with contextlib.ExitStack() as stack:
-        for device in active:
-            stack.enter_context(torch.autocast(device, enabled=False))
-        yield
-
-
 def _without_outer_autocast(compiled: Callable) -> Callable:
-    """Wrap a compiled graph so that it runs with any outer autocast disabled."""
+    """Wrap a compiled graph so that it runs with any outer autocast disabled: it already holds its casts."""
 
     # updated=(): attributes such as _boxed_call describe the inner callable's calling convention, not this one's
     @functools.wraps(compiled, updated=())
     def run(*args: Any) -> Any:
-        if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
-            with _no_outer_autocast():
-                return compiled(*args)
-        return compiled(*args)
+        return call_without_outer_autocast(compiled, *args)
 
     return run
 
@@ -139,15 +124,6 @@ def _refresh_example_values(gm: fx.GraphModule) -> None:
             node.meta["example_value"] = node.meta.pop("val")
 
 
-def _name_weights(report: Any, names: Mapping[str, str]) -> None:
-    """Say ``fc1.weight`` instead of Dynamo's placeholder name in the report's cast reasons."""
-    for record in report.nodes:
-        if record.inserted and "weight cast" in record.reason:
-            source = record.reason.split("inserted: ", 1)[-1].split(" to ", 1)[0]
-            if source in names:
-                record.reason = record.reason.replace(f"inserted: {source} ", f"inserted: {names[source]} ", 1)
-
-
 def _graph_name(gm: fx.GraphModule) -> str:
     for node in gm.graph.nodes:
         if node.op.startswith("call") and not node.meta.get("amp_fx.inserted"):
@@ -187,15 +163,14 @@ class AmpBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         """Convert ``gm`` (in place), record its report, and return the inner backend's compiled callable."""
-        with _no_outer_autocast():
-            device = graph_device_type(gm, example_inputs)
+        with no_outer_autocast():
+            device = device_type_of(gm, example_inputs)
             config = self.config
             if config.dtype is None:
-                config = dataclasses.replace(config, dtype=low_dtype_for(device))
+                config = config.for_device(device)
                 self.report.dtype = str(config.dtype).replace("torch.", "")
-            ctx = PassContext(config=config, policy=self.policy, route="dynamo",
+            ctx = PassContext(config=config, policy=self.policy, route="dynamo", device_type=device,
                               placeholder_params=placeholder_params(gm, example_inputs))
-            ctx.extra["device_type"] = device
             compile_id = _compile_id()
             # Module policies and the report name modules as model.named_modules() does, whatever
             # the compiled function called its module (self, m, s, a global, a closure).
@@ -210,7 +185,6 @@ class AmpBackend:
                     for _, _, body, _ in bodies:
                         _refresh_example_values(body)
                     _refresh_example_values(gm)
-            _name_weights(report, ctx.placeholder_params)
             describe_region_nodes(report)
             name = _graph_name(gm)
             self.report.add(compile_id, name, report)
@@ -227,12 +201,9 @@ class AmpBackend:
         """Run the pipeline on one higher-order op's body (see :mod:`amp_fx.dynamo.bodies`)."""
         # A body's outputs are not the model's: they keep their traced dtypes (sealed afterwards).
         config = dataclasses.replace(config, cast_model_outputs=None)
-        ctx = PassContext(config=config, policy=self.policy, route="dynamo", placeholder_params=params)
-        ctx.extra["device_type"] = device
-        body, report = rewrite_graph(body, ctx, own_params=False,
-                                     notes=[f"body {name} of Dynamo graph {compile_id}, converted by the torch.compile backend"])
-        _name_weights(report, params)
-        return body, report
+        ctx = PassContext(config=config, policy=self.policy, route="dynamo", device_type=device, placeholder_params=params)
+        return rewrite_graph(body, ctx, own_params=False,
+                             notes=[f"body {name} of Dynamo graph {compile_id}, converted by the torch.compile backend"])
 
     def reset(self) -> None:
         """Called by ``torch._dynamo.reset()``: later graphs go to a fresh report (a held one stays intact)."""

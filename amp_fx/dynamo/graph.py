@@ -1,4 +1,4 @@
-"""Read what a Dynamo graph says about itself: which placeholders are weights, and on which device.
+"""Read what a Dynamo graph says about itself: which placeholders are weights, and which modules they belong to.
 
 With ``inline_inbuilt_nn_modules`` (always on in recent torch) Dynamo lifts
 every parameter and buffer a graph reads to a placeholder.  Its
@@ -22,12 +22,10 @@ from __future__ import annotations
 import re
 from typing import Any, Optional, Sequence
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["placeholder_params", "source_fqn", "target_fqn", "graph_device_type", "low_dtype_for",
-           "module_roots", "relative_module_stacks"]
+__all__ = ["placeholder_params", "source_fqn", "target_fqn", "module_roots", "relative_module_stacks"]
 
 # One step of a Dynamo source name: .attr, ['key'] or [index].
 _STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[\s*'([^']*)'\s*\]|\[\s*\"([^\"]*)\"\s*\]|\[\s*(-?\d+)\s*\]")
@@ -102,22 +100,6 @@ def placeholder_params(gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) -
         if fqn is not None:
             out[node.name] = fqn
     return out
-
-
-def graph_device_type(gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) -> str:
-    """The device type of the graph's floating tensors ("cpu" when none is seen)."""
-    values = list(example_inputs) + [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
-    for value in values:
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.device.type
-    return "cpu"
-
-
-def low_dtype_for(device_type: str) -> torch.dtype:
-    """The low dtype autocast picks for a device: float16 on CUDA, bfloat16 elsewhere."""
-    return torch.float16 if device_type == "cuda" else torch.bfloat16
-
-
 
 
 def module_roots(gm: fx.GraphModule) -> list[str]:

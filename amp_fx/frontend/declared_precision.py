@@ -86,15 +86,6 @@ def autocast_rule_dtype(op: torch._ops.OpOverload, device_type: str) -> tuple[bo
     return True, None
 
 
-def _graph_device(node: fx.Node, ctx: Any) -> str:
-    """The graph's device type, found once per conversion (scanning the parameters per node is quadratic)."""
-    if "device_type" not in ctx.extra:
-        module = node.graph.owning_module
-        tensors = list(module.parameters()) + list(module.buffers()) if module is not None else []
-        ctx.extra["device_type"] = next((t.device.type for t in tensors if t.is_floating_point()), "cpu")
-    return ctx.extra["device_type"]
-
-
 def _cast_decision(what: str, dtype: torch.dtype, ctx: Any, node: fx.Node) -> Decision:
     name = str(dtype).replace("torch.", "")
     if dtype == torch.float32:
@@ -116,7 +107,7 @@ def declared_precision(node: fx.Node, ctx: Any) -> Optional[Decision]:
     config = ctx.config
     if node.op != "call_function" or config.op_mode == "none" or config.level == "O3":
         return None
-    device = _graph_device(node, ctx)
+    device = ctx.device_for(node.graph.owning_module)
     if isinstance(node.target, FunctionCall):
         function = node.target.function
         declared = custom_fwd_cast(getattr(function, "forward", None))
