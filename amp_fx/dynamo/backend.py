@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 import logging
 import weakref
@@ -32,7 +33,7 @@ import torch.fx as fx
 from amp_fx.dynamo.bodies import convert_bodies, describe_region_nodes
 from amp_fx.dynamo.graph import placeholder_params, relative_module_stacks
 from amp_fx.dynamo.report import CompiledReport
-from amp_fx.core.config import make_config
+from amp_fx.core.config import AmpConfig, make_config
 from amp_fx.core.devices import device_type_of
 from amp_fx.core.outer_autocast import call_without_outer_autocast, no_outer_autocast
 from amp_fx.core.pass_manager import PassContext
@@ -45,6 +46,9 @@ __all__ = ["AmpBackend", "backend", "amp_fx_backend", "last_report", "CompiledRe
 logger = logging.getLogger("amp_fx.dynamo.backend")
 
 _PARAM_LEVELS = ("O2", "O3")
+# backend()'s own keywords; every other option is an AmpConfig field (make_config's overrides).
+_BACKEND_OPTIONS = ("level", "dtype", "policy", "pad_gemm", "inner")
+_CONFIG_OPTIONS = frozenset(f.name for f in dataclasses.fields(AmpConfig))
 _LAST: list[Optional[CompiledReport]] = [None]
 
 
@@ -55,6 +59,17 @@ def _o2_error(level: str) -> ValueError:
         f"    compiled = torch.compile(amp_fx.convert(model, level={level!r}))\n"
         "(any inner backend, e.g. backend='inductor'). backend='amp_fx' supports O0 and O1."
     )
+
+
+def _check_options(options: Mapping[str, Any]) -> None:
+    """Refuse an option the backend does not know, naming the close ones and every valid one."""
+    bad = sorted(set(options) - _CONFIG_OPTIONS)
+    if not bad:
+        return
+    valid = sorted(set(_BACKEND_OPTIONS) | (_CONFIG_OPTIONS - {"op_mode"}))
+    close = [match for name in bad for match in difflib.get_close_matches(name, valid, n=1, cutoff=0.6)]
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    raise TypeError(f"unknown conversion option(s) {bad} for the amp_fx backend.{hint} Valid options are {valid}.")
 
 
 def _resolve_inner(inner: Union[str, Callable]) -> tuple[Callable, str]:
@@ -148,6 +163,7 @@ class AmpBackend:
             raise _o2_error(level.upper())
         if "example_inputs" in options or "leaf_modules" in options:
             raise TypeError("example_inputs / leaf_modules are convert() options: Dynamo supplies the graphs and their values")
+        _check_options(options)
         self.config = make_config(level, dtype=dtype, pad_gemm=pad_gemm, **options)
         self.policy = Policy.coerce(policy)
         self.inner_fn, self.inner_name = _resolve_inner(inner)
