@@ -1,10 +1,9 @@
-"""fold_casts and dedupe_casts: no chains, no no-op casts, one cast per parameter even through views."""
+"""fold_casts: no cast chains, no casts to a value's own dtype, one cast per (value, dtype)."""
 
 import torch
 import torch.nn as nn
 
 from amp_fx.core.cast_nodes import cast_source, is_inserted_cast
-from amp_fx.passes.dedupe_casts import dedupe_casts
 from amp_fx.passes.fold_casts import fold_casts
 from pass_check import check
 
@@ -32,17 +31,19 @@ def test_fold_is_a_no_op_on_a_clean_graph():
     check(fold_casts, nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),), delta=0, expect_modified=False)
 
 
-class ViewsOfOneWeight(nn.Module):
+class UserNarrowsThenWidens(nn.Module):
+    """``x.half().float()``: the widening is read through, the rounding to fp16 the user asked for is kept."""
+
     def __init__(self):
         super().__init__()
-        self.w = nn.Parameter(torch.randn(4, 4))
+        self.fc = nn.Linear(4, 4)
 
     def forward(self, x):
-        return x @ self.w + x @ self.w.t() + x @ self.w.t().contiguous()
+        return self.fc(x.half().float())
 
 
-def test_casts_of_views_of_a_weight_are_hoisted_to_one_weight_cast():
-    gm = check(dedupe_casts, ViewsOfOneWeight(), (torch.randn(2, 4),), expect_modified=True)
-    weight_casts = [n for n in gm.graph.nodes if is_inserted_cast(n) and cast_source(n).op == "get_attr"]
-    assert len(weight_casts) == 1
-    assert not [n for n in gm.graph.nodes if is_inserted_cast(n) and cast_source(n).op == "call_method"]
+def test_a_narrowing_cast_the_model_wrote_is_kept():
+    x = torch.randn(2, 4)
+    gm = check(fold_casts, UserNarrowsThenWidens(), (x,), example_inputs=(x,), delta=-1, expect_modified=True)
+    x_cast = next(n for n in gm.graph.nodes if is_inserted_cast(n) and cast_source(n).op != "get_attr")
+    assert cast_source(x_cast).target == "half"  # reads the fp16 value, not x

@@ -1,0 +1,100 @@
+"""assign_precision: the tables, the level and the policy paint each node; banned ops are refused with the fix.
+
+An analysis: ``check`` asserts no code changes, every node carries a
+decision, reason and rule, and a second run paints the same.
+"""
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from amp_fx.core import meta, tables
+from amp_fx.errors import BannedOpError, UnknownOpError
+from amp_fx.passes.assign_precision import assign_precision
+from pass_check import check, prepare
+
+PAINT = (meta.DECISION, meta.REASON, meta.RULE)
+
+
+class Head(nn.Module):
+    """linear (LOW table) -> softmax (FP32 table) -> layer_norm (FP32 table)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x):
+        return self.norm(F.softmax(self.fc(x), -1))
+
+
+def _paint(gm, name):
+    """(decision, reason, rule) of the node called ``name``."""
+    return next(tuple(n.meta[k] for k in PAINT) for n in gm.graph.nodes if n.name == name)
+
+
+def _reason(table, op):
+    """The reason the tables give for ``op``."""
+    return tables.all_tables()[table][op]
+
+
+def test_o1_tables_paint_low_and_fp32_ops_with_their_reason():
+    gm = check(assign_precision, Head(), (torch.randn(2, 4),), delta=0, expect_modified=False, meta_keys=PAINT)
+    assert _paint(gm, "linear") == ("low", "low: " + _reason("low", "linear"), "table")
+    decision, reason, rule = _paint(gm, "softmax")
+    assert (decision, rule) == ("fp32", "table") and reason == "fp32: " + _reason("fp32", "softmax")
+    assert _paint(gm, "x")[0] == "none" and _paint(gm, "output")[0] == "none"
+
+
+def test_a_policy_rule_beats_the_tables():
+    policy = {"op:softmax": "low", "module:fc": "fp32"}
+    gm = check(assign_precision, Head(), (torch.randn(2, 4),), delta=0, meta_keys=PAINT, policy=policy)
+    assert _paint(gm, "softmax") == ("low", "policy op 'softmax' -> low", "policy")
+    assert _paint(gm, "linear") == ("fp32", "policy module 'fc' -> fp32", "policy")
+    assert _paint(gm, "layer_norm")[2] == "table"  # what no rule names is still the tables'
+
+
+def test_o2_runs_the_graph_low_and_keeps_normalisation_fp32():
+    gm = check(assign_precision, Head(), (torch.randn(2, 4),), level="O2", delta=0, meta_keys=PAINT, atol=0.1)
+    assert _paint(gm, "softmax")[::2] == ("low", "level") and _paint(gm, "linear")[::2] == ("low", "level")
+    decision, reason, rule = _paint(gm, "layer_norm")
+    assert (decision, rule) == ("fp32", "level") and "keep_batchnorm_fp32=True" in reason
+    assert _paint(gm, "x")[0] == "entry"
+
+
+class BCE(nn.Module):
+    def forward(self, x, y):
+        return F.binary_cross_entropy(torch.sigmoid(x), y)
+
+
+def test_a_banned_op_is_refused_with_the_fix_named():
+    inputs = (torch.randn(4), torch.rand(4))
+    gm, ctx = prepare(BCE(), assign_precision)
+    with pytest.raises(BannedOpError) as info:
+        assign_precision(gm, ctx)
+    message = str(info.value)
+    assert "binary_cross_entropy_with_logits" in message and "allow_banned=True" in message
+    assert "node 'binary_cross_entropy'" in message  # and names the node it met
+    # ... and a policy cannot make it low either.
+    gm, ctx = prepare(BCE(), assign_precision, policy={"op:binary_cross_entropy": "low"})
+    with pytest.raises(BannedOpError, match="-> low"):
+        assign_precision(gm, ctx)
+    allowed = check(assign_precision, BCE(), inputs, delta=0, meta_keys=PAINT, allow_banned=True)
+    assert _paint(allowed, "binary_cross_entropy")[::2] == ("fp32", "banned")
+
+
+class Unknown(nn.Module):
+    def forward(self, x):
+        return torch.special.entr(x.abs())
+
+
+def test_unknown_op_errors_only_when_asked_and_says_how_to_decide_it():
+    gm = check(assign_precision, Unknown(), (torch.rand(4),), delta=0, meta_keys=PAINT)
+    op = next(n.meta[meta.OP] for n in gm.graph.nodes if n.meta.get(meta.RULE) == "unknown")
+    assert _paint(gm, "special_entr")[0] == "follow"
+    gm, ctx = prepare(Unknown(), assign_precision, on_unknown_op="error")
+    with pytest.raises(UnknownOpError, match=re.escape(f"policy={{'op:{op}'")):
+        assign_precision(gm, ctx)

@@ -1,0 +1,82 @@
+"""cast_params: O2/O3 give the module low parameters and buffers once; norms stay fp32 when asked.
+
+``check`` counts a parameter's or buffer's dtype as a change (``modified``
+must say so), asserts a second run casts nothing, and with ``finish=True``
+compares the finished module's outputs and gradients with the fp32 model's.
+"""
+
+import torch
+import torch.nn as nn
+
+import amp_fx
+from amp_fx.passes.cast_params import cast_params
+from pass_check import check
+
+D = 8
+
+
+class Net(nn.Module):
+    """A Linear, a BatchNorm (parameters, running statistics, an int64 counter) and a LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.bn = nn.BatchNorm1d(D)
+        self.ln = nn.LayerNorm(D)
+        self.out = nn.Linear(D, 2)
+
+    def forward(self, x):
+        return self.out(self.ln(self.bn(self.fc(x)).relu()))
+
+
+def _inputs():
+    return (torch.randn(4, D),)
+
+
+def _dtypes(module):
+    return {name: t.dtype for name, t in list(module.named_parameters()) + list(module.named_buffers())}
+
+
+def test_o2_casts_every_floating_tensor_but_the_norms_once():
+    model = Net().eval()
+    gm = check(cast_params, model, _inputs(), level="O2", delta=0, expect_modified=True, finish=True, atol=0.1)
+    dtypes = _dtypes(gm)
+    low = {n for n, d in dtypes.items() if d == torch.bfloat16}
+    assert low == {"fc.weight", "fc.bias", "out.weight", "out.bias"}
+    assert {n for n in dtypes if n.startswith(("bn.", "ln."))} == {n for n, d in dtypes.items() if d != torch.bfloat16}
+    assert dtypes["bn.num_batches_tracked"] == torch.int64 and dtypes["bn.running_mean"] == torch.float32
+    # The traced copy was cast: the user's model keeps its fp32 tensors.
+    assert set(_dtypes(model).values()) == {torch.float32, torch.int64}
+
+
+def test_without_keep_batchnorm_fp32_the_norms_go_low_too():
+    gm = check(cast_params, Net().eval(), _inputs(), level="O2", keep_batchnorm_fp32=False, expect_modified=True,
+               finish=True, atol=0.1)
+    floating = {n: d for n, d in _dtypes(gm).items() if n != "bn.num_batches_tracked"}
+    assert set(floating.values()) == {torch.bfloat16}
+
+
+class Float64Scale(nn.Module):
+    """A float64 parameter, which autocast never casts."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.scale = nn.Parameter(torch.ones(D, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def test_float64_tensors_are_never_cast():
+    gm = check(cast_params, Float64Scale(), _inputs(), level="O2", expect_modified=True, finish=True, atol=0.1)
+    assert _dtypes(gm) == {"fc.weight": torch.bfloat16, "fc.bias": torch.bfloat16, "scale": torch.float64}
+
+
+def test_the_source_dtypes_recorded_give_back_the_models_state_dict():
+    model = Net().eval()
+    converted = amp_fx.convert(model, "O2", dtype=torch.bfloat16)
+    assert converted.get_parameter("fc.weight").dtype == torch.bfloat16
+    state = converted.state_dict()
+    assert {k: v.dtype for k, v in state.items()} == {k: v.dtype for k, v in model.state_dict().items()}
+    torch.testing.assert_close(state["fc.weight"], model.fc.weight.detach().to(torch.bfloat16).float())
