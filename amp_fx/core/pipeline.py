@@ -48,7 +48,7 @@ def build_pipeline(config: AmpConfig, *, own_params: bool) -> list[AmpPass]:
         pipeline.append(fuse_precision)
     pipeline += [insert_casts, dedupe_casts, fold_casts]
     if config.pad_gemm is not False:
-        # "auto" pads on CUDA only; the pass finds the device and says so in the report.
+        # "auto" pads on CUDA only; the pass reads the device from the context and says so in the report.
         pipeline.append(pad_gemm)
     if config.cache_casts:
         # Last: every other pass sees plain casts; inference then reuses each weight's cast.

@@ -34,6 +34,8 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.nn as nn
 
+from amp_fx.core.devices import device_type_of
+
 __all__ = ["is_transformers_model", "attach_interface", "untraceable_hint"]
 
 _ATTRIBUTE = "_amp_fx_hf"
@@ -144,7 +146,7 @@ def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         config = copy.deepcopy(self.generation_config)
         kwargs = {**config.update(**kwargs), "generation_config": config}
     low = _low_dtype(self)
-    device = next((p.device.type for p in model.parameters()), "cpu")
+    device = device_type_of(model)
     autocast = torch.autocast(device, dtype=low) if low is not None else contextlib.nullcontext()
     with _mode_of(self, model), autocast:
         return model.generate(*args, **kwargs)

@@ -30,12 +30,12 @@ from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
 from amp_fx.core.cast_nodes import cast_target, is_inserted_cast
+from amp_fx.core.outer_autocast import no_outer_autocast
 
 __all__ = ["find_overflow", "diagnose_collapse", "OverflowReport", "ReproStep", "TwinRun", "pin_override", "pin_targets", "plain_containers", "LOW_DTYPES"]
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
 _CALLS = ("call_function", "call_method", "call_module")
-_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 # -- small value helpers --------------------------------------------------------
@@ -91,16 +91,6 @@ def _set_rng_state(state: tuple) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state_all(state[1])
-
-
-@contextlib.contextmanager
-def _no_outer_autocast() -> Iterator[None]:
-    # The converted graph carries its own casts; an outer autocast would cast again.
-    with contextlib.ExitStack() as stack:
-        for device in _AUTOCAST_DEVICES:
-            if torch.is_autocast_enabled(device):
-                stack.enter_context(torch.autocast(device, enabled=False))
-        yield
 
 
 @contextlib.contextmanager
@@ -208,7 +198,7 @@ class TwinRun:
 
     def steps(self) -> Iterator[tuple[fx.Node, Any, Any]]:
         """Yield every node with its low and twin values, in graph order."""
-        with _no_outer_autocast():
+        with no_outer_autocast():
             for node in self.gm.graph.nodes:
                 low, twin = self.step(node)
                 if node.op == "output":
@@ -358,7 +348,7 @@ def find_overflow(
         losses = None
         if target is not None or backward:
             fn = loss_fn or default_loss
-            with _no_outer_autocast():
+            with no_outer_autocast():
                 losses = (fn(low_out, target), fn(twin_out, target))
             if _broke(losses[0], losses[1]):
                 loss_node = next(n for n in converted.graph.nodes if n.op == "output")
