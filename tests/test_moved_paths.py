@@ -59,3 +59,16 @@ def test_a_graph_module_pickled_before_the_move_still_loads():
         loaded = pickle.loads(old_blob)
     x = torch.randn(2, 4)
     assert torch.equal(loaded(x), converted(x))
+
+
+def test_source_lines_treat_every_amp_fx_subpackage_and_the_passes_as_library_code():
+    # After the move a module's own folder is no longer the package: reports
+    # must still point at the model's line, never at amp_fx/core or passes/.
+    import amp_fx.core.api
+    import amp_fx.passes.insert_casts
+    import amp_fx.runtime.loss_scaler
+    from amp_fx.frontend.source_lines import is_library_file, is_user_file
+
+    for module in (amp_fx.core.api, amp_fx.passes.insert_casts, amp_fx.runtime.loss_scaler, torch.nn.functional):
+        assert is_library_file(module.__file__) and not is_user_file(module.__file__)
+    assert is_user_file(__file__) and not is_library_file(__file__)

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
+from amp_fx.frontend.source_lines import innermost_user_frame
 from amp_fx.frontend.regions import _grad, autocast_enter, autocast_exit, grad_enter, grad_exit
 
 __all__ = ["inline_region_hops", "exporting", "NOTES_ATTR"]
@@ -116,10 +117,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__)  # graph attribute: report lines ab
 
 
 def _user_line() -> str:
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), contextlib.__file__)
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(skip):
-        frame = frame.f_back
+    frame = innermost_user_frame(skip_stdlib=True)  # contextlib's frames sit between the model's line and these hooks
     return "unknown source line" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 

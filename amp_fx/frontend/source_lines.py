@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import sys
@@ -9,15 +10,27 @@ from typing import Optional
 
 import torch
 
-__all__ = ["current_user_line", "is_user_file"]
+__all__ = ["current_user_line", "is_library_file", "innermost_user_frame", "is_user_file"]
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_AMP_FX_DIR = os.path.dirname(__file__)
 _STDLIB_DIR = os.path.dirname(os.__file__)
 
 
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    """torch's folder and amp_fx's own: the package and its passes (installed from ``passes/`` in a checkout)."""
+    import amp_fx
+    import amp_fx.passes
+
+    return tuple(os.path.dirname(module.__file__) for module in (torch, amp_fx, amp_fx.passes))
+
+
+def is_library_file(filename: str) -> bool:
+    """True for torch's and amp_fx's own source files (never the model's)."""
+    return filename.startswith(_library_dirs())
+
+
 def _skipped(filename: str, skip_stdlib: bool) -> bool:
-    if filename.startswith((_TORCH_DIR, _AMP_FX_DIR)):
+    if is_library_file(filename):
         return True
     # contextlib and functools frames sit between a model's line and amp_fx's hooks;
     # installed packages (transformers) live under the stdlib folder too and are user code.
@@ -29,15 +42,21 @@ def is_user_file(filename: str) -> bool:
     return not _skipped(filename, True)
 
 
+def innermost_user_frame(skip_stdlib: bool = True):
+    """The innermost frame of the model's own code that is running now (None when there is none)."""
+    frame = sys._getframe(1)
+    while frame is not None and _skipped(frame.f_code.co_filename, skip_stdlib):
+        frame = frame.f_back
+    return frame
+
+
 def current_user_line(skip_stdlib: bool = True) -> Optional[str]:
     """Return ``"file:line in fn: code"`` of the innermost caller outside torch, amp_fx (and the stdlib).
 
     Used in error messages raised while tracing, so they point at the line
     of the model that did the thing being refused.
     """
-    frame = sys._getframe(1)
-    while frame is not None and _skipped(frame.f_code.co_filename, skip_stdlib):
-        frame = frame.f_back
+    frame = innermost_user_frame(skip_stdlib)
     if frame is None:
         return None
     filename, lineno = frame.f_code.co_filename, frame.f_lineno

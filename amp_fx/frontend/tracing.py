@@ -13,8 +13,6 @@ MultiheadAttention), plus any the user names.
 from __future__ import annotations
 
 import linecache
-import os
-import sys
 import threading
 import traceback
 from typing import Any, Iterable, Optional, Sequence, Union
@@ -27,6 +25,7 @@ from amp_fx.frontend import regions, regions_export
 from amp_fx.core.casts import HELPERS
 from amp_fx.errors import AmpError, UnsupportedConstructError
 from amp_fx.frontend.export_guards import watched_export
+from amp_fx.frontend.source_lines import innermost_user_frame, is_library_file
 from amp_fx.frontend.train_flags import FROZEN_ATTR, TrainingReads
 
 __all__ = ["AmpTracer", "AmpTraceError", "trace_model", "DEFAULT_LEAF_TYPES", "module_stack_of", "user_frame"]
@@ -44,8 +43,6 @@ DEFAULT_LEAF_TYPES: tuple[type, ...] = (
     nn.MultiheadAttention,
 )
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_AMP_FX_DIR = os.path.dirname(__file__)
 # fx tracing patches torch.nn.Module.__call__/__getattr__ for every thread: convert() holds this
 # lock throughout, so a conversion in one thread never runs a module while another traces.
 _TRACE_LOCK = threading.RLock()
@@ -130,9 +127,7 @@ class AmpTracer(fx.Tracer):
         stack for every node.
         """
         node = super().create_node(*args, **kwargs)
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename.startswith((_TORCH_DIR, _AMP_FX_DIR)):
-            frame = frame.f_back
+        frame = innermost_user_frame(skip_stdlib=False)
         if frame is not None:
             filename, lineno = frame.f_code.co_filename, frame.f_lineno
             code = linecache.getline(filename, lineno).strip()
@@ -159,7 +154,7 @@ def user_frame(stack_trace: Optional[str]) -> Optional[str]:
             path = line.split('"')[1]
         except IndexError:
             continue
-        if path.startswith(_TORCH_DIR) or path.startswith(_AMP_FX_DIR):
+        if is_library_file(path):
             continue
         code = lines[i + 1].strip() if i + 1 < len(lines) and not lines[i + 1].strip().startswith("File ") else ""
         where = line.replace("File ", "").replace('"', "").replace(", line ", ":").replace(", in ", " in ")
@@ -208,7 +203,7 @@ def _export_trace(model: nn.Module, args: tuple, kwargs: dict, module_class: typ
 
 def _describe_failure(error: BaseException, tracer: AmpTracer) -> str:
     frames = traceback.extract_tb(error.__traceback__)
-    user = [f for f in frames if not f.filename.startswith(_TORCH_DIR) and not f.filename.startswith(_AMP_FX_DIR)]
+    user = [f for f in frames if not is_library_file(f.filename)]
     where = f"{user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else "unknown source line"
     scope = list(getattr(tracer, "module_stack", {}) or {})
     module = scope[-1] if scope and scope[-1] else "<root module>"

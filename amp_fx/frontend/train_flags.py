@@ -17,13 +17,13 @@ module warns once when ``.train()`` / ``.eval()`` changes that flag.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx.proxy import Proxy
+
+from amp_fx.frontend.source_lines import innermost_user_frame
 
 __all__ = ["TrainingReads", "FROZEN_ATTR"]
 
@@ -33,13 +33,7 @@ FROZEN_ATTR = "amp_fx_frozen_training"
 
 def _user_line() -> Optional[str]:
     """``file:line`` of the innermost frame outside torch and amp_fx (where the flag was branched on)."""
-    import os
-
-    torch_dir = os.path.dirname(torch.__file__)
-    here = os.path.dirname(__file__)
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith((torch_dir, here)):
-        frame = frame.f_back
+    frame = innermost_user_frame(skip_stdlib=False)
     return None if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
