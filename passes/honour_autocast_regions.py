@@ -41,7 +41,7 @@ import torch.fx as fx
 from amp_fx.core import tables
 from amp_fx.core.pass_manager import PassContext, PassResult
 from amp_fx.frontend.regions_export import NOTES_ATTR
-from amp_fx.frontend.regions import LOW_DTYPE_KEY, Region, autocast_rule, marker_role, region_stacks, separate_grad_reads
+from amp_fx.frontend.regions import GRAD_READ_KEY, LOW_DTYPE_KEY, Region, autocast_rule, marker_role, region_stacks, separate_grad_reads
 from amp_fx.frontend.train_flags import FROZEN_ATTR
 
 __all__ = ["honour_autocast_regions", "is_autocast_enter", "is_autocast_exit"]
@@ -200,6 +200,8 @@ def honour_autocast_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         if node.meta.get("amp_fx.decision") in _SKIP or node.meta.get("amp_fx.rule") == "policy":
             continue
+        if node.meta.get(GRAD_READ_KEY):
+            continue  # a read separate_grad_reads wrote in an earlier run: it carries its own paint
         key = tuple(r.describe() for r in relevant)
         if node.meta.get(_REGION_KEY) == key:
             continue  # painted by an earlier run
@@ -209,9 +211,11 @@ def honour_autocast_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             pinned += 1
     # Exits first: each reads its enter node.
     erased = [n for n in autocast_markers if n not in foreign and not (marker_role(n)[0] == "exit" and n.args and n.args[0] in foreign)]
+    removed = 0
     for node in sorted(erased, key=lambda n: not is_autocast_exit(n)):
         if not node.users:
             graph.erase_node(node)
+            removed += 1
     kept = _mark_fp32_only_weights(graph)
     separated = separate_grad_reads(graph)
     grad_regions = len({id(r) for regions in stacks.values() for r in regions if r.kind == "grad"})
@@ -228,4 +232,5 @@ def honour_autocast_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         lines.append(f"kept the model's regions: {regions} autocast, {grad_regions} grad-mode ({painted} nodes inside)")
     if lines:
         stats["report_lines"] = lines
-    return PassResult(gm, bool(erased) or painted > 0 or separated > 0 or kept > 0, stats)
+    # Repainting and marking weights only write node.meta: the code changed only if markers went or reads were added.
+    return PassResult(gm, removed > 0 or separated > 0, stats)

@@ -39,7 +39,7 @@ from amp_fx.core import meta
 __all__ = [
     "grad_enter", "grad_exit", "inference_enter", "inference_exit", "autocast_enter", "autocast_exit",
     "Region", "marker_role", "region_stacks", "recording", "autocast_rule",
-    "region_dtype", "separate_grad_reads", "LOW_DTYPE_KEY",
+    "region_dtype", "separate_grad_reads", "LOW_DTYPE_KEY", "GRAD_READ_KEY",
 ]
 
 # a node's own low dtype (an autocast(dtype=) region), read by the dtype analysis
@@ -346,7 +346,7 @@ def recording(tracer: Any) -> Iterator[None]:
 # --------------------------------------------------------------------------
 # One read per grad mode
 # --------------------------------------------------------------------------
-_READ_KEY = "amp_fx.grad_read"  # a read made by separate_grad_reads
+GRAD_READ_KEY = "amp_fx.grad_read"  # a read made by separate_grad_reads
 _COPIED = ("amp_fx.is_tensor", "amp_fx.is_float", "amp_fx.orig_dtype", "amp_fx.shape", "amp_fx.module_path",
            "amp_fx.module_stack", "amp_fx.source", "stack_trace", "nn_module_stack", "val", "example_value")
 
@@ -375,7 +375,7 @@ def separate_grad_reads(graph: fx.Graph) -> int:
         home = _grad_key(stacks.get(value, ()))
         groups: dict[tuple[int, ...], list[fx.Node]] = {}
         for user in value.users:
-            if user in stacks and not user.meta.get(_READ_KEY):
+            if user in stacks and not user.meta.get(GRAD_READ_KEY):
                 groups.setdefault(_grad_key(stacks[user]), []).append(user)
         for key, users in groups.items():
             if key == home:
@@ -387,7 +387,7 @@ def separate_grad_reads(graph: fx.Graph) -> int:
             read.meta.update({
                 "amp_fx.op": "view_as", "amp_fx.inplace": False, "amp_fx.decision": "follow", "amp_fx.rule": "grad-mode",
                 "amp_fx.reason": f"its own read of {value.name} in this grad mode (a cast is never shared across grad modes)",
-                _READ_KEY: True,
+                GRAD_READ_KEY: True,
             })
             for user in users:
                 user.replace_input_with(value, read)
