@@ -33,6 +33,7 @@ from enum import Enum
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from .collapse import ON_COLLAPSE, LossScaleCollapseError, collapse_error
 from .distributed import reduce_over_ranks
@@ -237,7 +238,9 @@ class LossScaler(ScalerStateMixin):
         if self._scaling:
             inv_scale = _fp32(1.0 / self._loss_scale) if self._loss_scale else math.inf
         grads = grads_of(optimizer.param_groups)
-        found = reduce_over_ranks(check_and_unscale_(grads, inv_scale), grads)  # FSDP2: every rank agrees
+        found = check_and_unscale_(grads, inv_scale)
+        if dist.is_available() and dist.is_initialized():  # only sharded (DTensor) grads need other ranks
+            found = reduce_over_ranks(found, grads)  # FSDP2: every rank agrees
         if not self._scaling and state["stage"] is _Stage.UNSCALED:
             for dev, flag in state["found_inf"].items():  # a re-check keeps earlier verdicts
                 found[dev] = found[dev] + flag if dev in found else flag
