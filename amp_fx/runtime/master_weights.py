@@ -26,6 +26,14 @@ them from the module's gradients, so zeroing the module's gradients in any way
 (``optimizer.zero_grad()``, ``module.zero_grad()``, ``p.grad = None``) zeroes
 them, as in Apex.
 
+Each step is three bulk operations per (device, dtype) group of parameters:
+one ``torch._foreach_copy_`` of the module's gradients into the masters', the
+wrapped optimizer's step, and one ``torch._foreach_copy_`` of the masters back
+into the module. Where the wrapped optimizer leaves ``foreach`` and ``fused``
+unset and its masters are on CPU, Adam and AdamW step fused and SGD foreach
+(torch would step them one tensor at a time there; see
+:mod:`amp_fx.runtime.step_impl`); pass ``foreach=False`` to keep the loop.
+
 Under FSDP2 (module sharded by ``fully_shard`` before this wrapper is built)
 each master is a DTensor shard placed like its parameter, cut from the full
 fp32 original, so a rank holds 1/world_size of the masters; gradients and
@@ -37,13 +45,16 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from amp_fx.core.config import AmpConfig
 from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer
 
 from .distributed import is_dtensor, local_tensor, refuse_replaced_params, shard_like
+from .master_copies import CopyGroup, group_pairs
 from .modules import unwrap_compiled
+from .step_impl import prefer_fast_step
 
 __all__ = ["MasterWeightOptimizer"]
 
@@ -133,6 +144,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._given_ids = {id(m): n for n, m in self._given.items()}
         self._masters: dict[str, torch.Tensor] = {}  # name -> master, owned names only
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (module param, master)
+        self._groups: list[CopyGroup] | None = None  # _pairs by (device, dtypes); None: regroup
 
         # Map everything first and swap last: a refused optimizer is left untouched.
         swapped = [[self._master_for(p) for p in g["params"]] for g in optimizer.param_groups]
@@ -149,6 +161,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         for group, params in zip(optimizer.param_groups, swapped):
             group["params"] = params
         self._move_state_to_masters()
+        prefer_fast_step(optimizer)
         if any(is_dtensor(p) for p in self._params.values()) and getattr(module, "amp_fx_masters", None):
             # The full fp32 originals must not stay referenced from the module: the
             # masters are now this rank's shards.
@@ -194,6 +207,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._masters[name] = master
         if master is not module_param:
             self._pairs.append((module_param, master))
+            self._groups = None
         return master
 
     def _adopt(self, param: torch.Tensor) -> torch.Tensor:
@@ -247,45 +261,35 @@ class MasterWeightOptimizer(WrappedOptimizer):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         group["params"] = [self._master_for(p, adopt=True) for p in params]
         self.optimizer.add_param_group(group)
+        prefer_fast_step(self.optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the masters and of the module's low-precision parameters."""
         self.optimizer.zero_grad(set_to_none)
         with torch.no_grad():
-            if set_to_none:
-                for param, _ in self._pairs:
-                    param.grad = None
-            else:
-                grads = [p.grad for p, _ in self._pairs if p.grad is not None]
-                for g in grads:
-                    if g.grad_fn is not None:
-                        g.detach_()
-                if grads:
-                    torch._foreach_zero_(grads)
+            for group in self._copy_groups():
+                group.clear_param_grads(set_to_none)
         self._grads_synced = False
         self._grad_epoch += 1
 
     # ------------------------------------------------------------------ step
+    def _copy_groups(self) -> list[CopyGroup]:
+        """The (module param, master) pairs by (device, dtypes), regrouped after the pairs changed."""
+        if self._groups is None:
+            self._groups = group_pairs(self._pairs)
+        return self._groups
+
     def _sync_grads_to_masters(self) -> None:
         """Copy the module's low-precision grads into fp32 master grads (once per iteration)."""
         if self._grads_synced:
             return
-        refuse_replaced_params(self.module, self._params)  # fully_shard after this wrapper
-        dst, src = [], []
-        for param, master in self._pairs:
-            grad = param.grad
-            if grad is None:
-                master.grad = None  # as the module's: the optimizer skips this one
-                continue
-            if grad.is_sparse:
-                raise NotImplementedError("MasterWeightOptimizer does not support sparse gradients")
-            if master.grad is None:
-                master.grad = torch.empty_like(master, memory_format=torch.preserve_format)
-            dst.append(local_tensor(master.grad))  # DTensor shards: copy shard to shard
-            src.append(local_tensor(grad))
-        if dst:
-            with torch.no_grad():
-                torch._foreach_copy_(dst, src)
+        if dist.is_available() and dist.is_initialized():
+            # Only fully_shard (which needs a process group) replaces parameters; the
+            # check walks every parameter's path, so single processes skip it.
+            refuse_replaced_params(self.module, self._params)
+        with torch.no_grad():
+            for group in self._copy_groups():
+                group.copy_grads_to_masters()
         self._grads_synced = True
 
     def _discard_synced_grads(self) -> None:
@@ -293,10 +297,9 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._grads_synced = False
 
     def _copy_masters_to_module(self) -> None:
-        if self._pairs:
-            with torch.no_grad():
-                torch._foreach_copy_([local_tensor(p) for p, _ in self._pairs],
-                                     [local_tensor(m) for _, m in self._pairs])
+        with torch.no_grad():
+            for group in self._copy_groups():
+                group.copy_masters_to_params()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Step the masters with the wrapped optimizer and copy them into the module.
@@ -342,6 +345,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         """
         if "masters" not in state_dict:
             self.optimizer.load_state_dict(state_dict)
+            prefer_fast_step(self.optimizer)
             return
         saved = state_dict["masters"]
         missing = sorted(set(self._masters) - set(saved))
@@ -357,4 +361,5 @@ class MasterWeightOptimizer(WrappedOptimizer):
                                  [local_tensor(saved[n]) for n in names])
         self._copy_masters_to_module()
         self.optimizer.load_state_dict(state_dict["optimizer"])
+        prefer_fast_step(self.optimizer)  # a plain optimizer's saved groups leave the choice unset
         self._grads_synced = False
