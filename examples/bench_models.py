@@ -25,17 +25,18 @@ __all__ = ["MLP", "ConvNet", "Block", "Encoder", "GPT", "ExportOnly", "BenchCase
 
 
 class MLP(nn.Module):
-    """``depth`` Linear+GELU layers and a classifier head; cross-entropy loss."""
+    """``depth`` Linear+GELU(+LayerNorm with ``norm``) layers and a classifier head; cross-entropy loss."""
 
-    def __init__(self, d_in: int = 1024, hidden: int = 1024, depth: int = 4, classes: int = 10):
+    def __init__(self, d_in: int = 1024, hidden: int = 1024, depth: int = 4, classes: int = 10, norm: bool = False):
         super().__init__()
         dims = [d_in] + [hidden] * depth
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.norms = nn.ModuleList(nn.LayerNorm(hidden) if norm else nn.Identity() for _ in range(depth))
         self.head = nn.Linear(hidden, classes)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = F.gelu(layer(x))
+        for layer, norm in zip(self.layers, self.norms):
+            x = norm(F.gelu(layer(x)))
         return F.cross_entropy(self.head(x), labels)
 
 
@@ -138,29 +139,35 @@ class BenchCase:
 # 2-core CPU without native bf16 GEMMs (AVX2 only: PyTorch then runs bf16 matmuls in
 # its reference kernels, 10-100x slower than fp32) takes well under a second.  "issue"
 # is the size issue 7 names (6 x 512 encoder, seq 128): seconds per bf16 step there.
+# "issue14" is issue 14's: MLP 6 x (Linear 1024 -> GELU -> LayerNorm) at batch 256, a 4-layer
+# d512 encoder at batch 8 x 128, a 4-block d512 GPT with a tied embedding.
 SIZES: dict[str, dict[str, dict]] = {
     "mlp": {"full": dict(batch=128, d_in=256, hidden=256, depth=4),
             "quick": dict(batch=16, d_in=64, hidden=64, depth=2),
-            "issue": dict(batch=256, d_in=1024, hidden=1024, depth=4)},
+            "issue": dict(batch=256, d_in=1024, hidden=1024, depth=4),
+            "issue14": dict(batch=256, d_in=1024, hidden=1024, depth=6, norm=True)},
     "cnn": {"full": dict(batch=16, image=32, width=16),
             "quick": dict(batch=4, image=8, width=8),
-            "issue": dict(batch=32, image=32, width=32)},
+            "issue": dict(batch=32, image=32, width=32),
+            "issue14": dict(batch=32, image=32, width=32)},
     "transformer": {"full": dict(batch=2, seq=64, d=128, heads=4, layers=6),
                     "quick": dict(batch=2, seq=16, d=32, heads=4, layers=2),
-                    "issue": dict(batch=4, seq=128, d=512, heads=8, layers=6)},
+                    "issue": dict(batch=4, seq=128, d=512, heads=8, layers=6),
+                    "issue14": dict(batch=8, seq=128, d=512, heads=8, layers=4)},
     "gpt": {"full": dict(batch=2, seq=64, d=128, heads=4, layers=4, vocab=2048),
             "quick": dict(batch=2, seq=16, d=32, heads=4, layers=2, vocab=128),
-            "issue": dict(batch=4, seq=128, d=256, heads=4, layers=4, vocab=8192)},
+            "issue": dict(batch=4, seq=128, d=256, heads=4, layers=4, vocab=8192),
+            "issue14": dict(batch=8, seq=128, d=512, heads=8, layers=4, vocab=8192)},
 }
-PRESETS = ("full", "quick", "issue")
+PRESETS = ("full", "quick", "issue", "issue14")
 MODEL_NAMES = tuple(SIZES)
 
 
 def _mlp(s: dict, device: str) -> BenchCase:
-    model = MLP(s["d_in"], s["hidden"], s["depth"])
+    model = MLP(s["d_in"], s["hidden"], s["depth"], norm=s.get("norm", False))
     x = torch.randn(s["batch"], s["d_in"], device=device)
     labels = torch.randint(0, 10, (s["batch"],), device=device)
-    return BenchCase("mlp", model, (x, labels), f"MLP {s['depth']}x{s['hidden']}, batch {s['batch']}")
+    return BenchCase("mlp", model, (x, labels), f"MLP {s['depth']}x{s['hidden']}{' +LayerNorm' if s.get('norm') else ''}, batch {s['batch']}")
 
 
 def _cnn(s: dict, device: str) -> BenchCase:
