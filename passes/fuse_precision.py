@@ -26,11 +26,17 @@ reader sees the low result.  ``insert_casts`` writes no cast for it.
 
 Which forms: each was measured against the cast form (``tests/passes/
 test_fuse_precision.py``): output within 1 low-dtype ulp, input, weight and
-bias gradients as precise as fp32's.  CPU ``layer_norm`` with fp32 weight and
-bias is *not* here: its backward accumulates the weight and bias gradients
-in the low dtype (5-16% relative error measured on 2048x1024 bf16, against
-1e-6 for the cast form); only a ``layer_norm`` without weight and bias is.
-``softmax``/``log_softmax``/``sum``/``mean``/``cumsum`` with
+bias gradients as precise as fp32's.  ``layer_norm`` without weight and bias
+runs CPU's mixed-dtype kernel as it is.  An affine ``layer_norm`` (fp32 weight
+and/or bias) is *retargeted* to :func:`amp_fx.core.fused_norms.
+layer_norm_fp32_stats`: CPU's mixed-dtype forward, but the cast form's fp32
+backward on the saved low input, since CPU's own mixed-dtype backward
+accumulates the weight and bias gradients in the low dtype (~1-2% relative
+error on 256x1024 bf16, against 1e-7 for the cast form).  Only the
+``F.layer_norm`` / ``torch.layer_norm`` call forms are retargeted (symbolic
+tracing and Dynamo both give them); a leaf ``nn.LayerNorm`` module and
+torch.export's aten ``layer_norm`` / ``native_layer_norm`` keep the cast form
+when affine.  ``softmax``/``log_softmax``/``sum``/``mean``/``cumsum`` with
 ``dtype=torch.float32`` cast their input inside the op on CPU (the same
 kernel as amp_fx's cast), and CPU losses on bf16 logits accumulate and
 return in bf16: neither saves anything without losing precision on CPU.
@@ -42,8 +48,10 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from amp_fx.core import meta, tables
+from amp_fx.core.fused_norms import layer_norm_fp32_stats
 from amp_fx.core.analysis import analyse, input_target, node_inputs
 from amp_fx.core.pass_manager import PassContext, PassResult
 
@@ -57,6 +65,11 @@ FUSED_FORMS: dict[str, tuple[frozenset, str]] = {
     "instance_norm": (frozenset({"cpu"}), "instance_norm"),
     "layer_norm": (frozenset({"cpu"}), "layer_norm without weight and bias"),
 }
+_AFFINE_LAYER_NORM = "layer_norm with fp32 statistics and fp32 weight/bias gradients"
+# Call forms of an affine layer_norm that can run as layer_norm_fp32_stats (F.layer_norm's signature;
+# torch.layer_norm's extra cudnn_enable is dropped).  Reverted, a node goes back to torch.layer_norm,
+# which takes every call either spelling can make.
+_LAYER_NORM_CALLS = (F.layer_norm, torch.layer_norm, layer_norm_fp32_stats)
 
 
 def _device_types(gm: fx.GraphModule, node: fx.Node) -> set[str]:
@@ -112,6 +125,23 @@ def _has_affine(gm: fx.GraphModule, node: fx.Node) -> bool:
     return weight is not None or bias is not None
 
 
+def _retargetable(node: fx.Node) -> bool:
+    """An affine layer_norm call that :func:`layer_norm_fp32_stats` can run in its place."""
+    return node.op == "call_function" and node.target in _LAYER_NORM_CALLS
+
+
+def _retarget(node: fx.Node, fused: bool) -> bool:
+    """Point an affine layer_norm call at the precise fused function (or, no longer fused, back); True if it changed."""
+    want = layer_norm_fp32_stats if fused else torch.layer_norm
+    if node.target is want or (not fused and node.target is not layer_norm_fp32_stats):
+        return False
+    if fused:
+        node.args = node.args[:5]
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k != "cudnn_enable"}
+    node.target = want
+    return True
+
+
 def _fusable(gm: fx.GraphModule, node: fx.Node, ctx: PassContext, values: dict) -> Optional[torch.dtype]:
     """The low dtype ``node`` would run its fused form in, or None (see the module docstring)."""
     op = node.meta.get(meta.OP)
@@ -129,8 +159,8 @@ def _fusable(gm: fx.GraphModule, node: fx.Node, ctx: PassContext, values: dict) 
         return None
     if not _weights_fp32(gm, node, first, values) or not node.users:
         return None
-    if op == "layer_norm" and _has_affine(gm, node):
-        return None
+    if op == "layer_norm" and _has_affine(gm, node) and not _retargetable(node):
+        return None  # a leaf module or an aten form: CPU's own mixed backward would round dw/db low
     return low if _read_low(node, low, ctx, values, gm) else None
 
 
@@ -181,25 +211,31 @@ def fuse_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     stale = [node for node in graph.nodes if node.meta.pop(meta.FUSED, None)]
     if stale or any(meta.VALUE not in node.meta for node in graph.nodes):
         analyse(gm, ctx)
-    if not getattr(ctx.config, "fuse_precision", True):
-        return PassResult(gm, False, {"fused": 0, "skipped": "fuse_precision=False"})
+    enabled = getattr(ctx.config, "fuse_precision", True)
     values = {n: n.meta[meta.VALUE] for n in graph.nodes}
     fused: list[str] = []
+    retargeted = False
     for node in graph.nodes:
-        low = _fusable(gm, node, ctx, values)
+        low = _fusable(gm, node, ctx, values) if enabled else None
+        affine = node.meta.get(meta.OP) == "layer_norm" and _retargetable(node) and _has_affine(gm, node)
+        if affine:
+            retargeted |= _retarget(node, low is not None)
         if low is None:
             continue
         name = str(low).replace("torch.", "")
-        node.meta[meta.FUSED] = FUSED_FORMS[node.meta[meta.OP]][1]
-        reason = node.meta.get(meta.REASON, "fp32")
-        node.meta[meta.REASON] = (f"{reason}; fused: computes in fp32 from its {name} input and fp32 weights, "
+        node.meta[meta.FUSED] = _AFFINE_LAYER_NORM if affine else FUSED_FORMS[node.meta[meta.OP]][1]
+        reason = node.meta.get(meta.REASON, "fp32").split("; fused")[0]  # an earlier run's words are not kept twice
+        node.meta[meta.REASON] = (f"{reason}; fused ({node.meta[meta.FUSED]}): computes in fp32 from its {name} input and fp32 weights, "
                                   f"rounding once to {name} as the cast back would (no casts)")
         fused.append(node.name)
     if fused:
         analyse(gm, ctx)  # readers see the low result
+    if not enabled:
+        return PassResult(gm, retargeted, {"fused": 0, "skipped": "fuse_precision=False"})
     stats = {"fused": len(fused)}
     if fused:
         stats["report_lines"] = [f"{len(fused)} fp32 norm(s) fused (low input, fp32 weights, no casts): {', '.join(fused[:8])}"
                                  + (f" and {len(fused) - 8} more" if len(fused) > 8 else "")]
-    # Marks and reasons are metadata: the code changes only when insert_casts writes (fewer) casts.
-    return PassResult(gm, False, stats)
+    # Marks and reasons are metadata: the code changes here only where an affine layer_norm call is
+    # retargeted (or reverted); otherwise only when insert_casts writes (fewer) casts.
+    return PassResult(gm, retargeted, stats)

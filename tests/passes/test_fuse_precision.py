@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import pickle
 from typing import Optional
 
 import pytest
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
+from amp_fx.core.fused_norms import layer_norm_fp32_stats
 from amp_fx.passes.fuse_precision import fuse_precision
 from amp_fx.passes.insert_casts import insert_casts
 from tests.pass_check import check
@@ -46,7 +49,7 @@ class NormBetween(nn.Module):
 
 # batch_norm and instance_norm follow their input at O1: fp32 only when a policy says so.
 POLICY = {"batch_norm": {"op:batch_norm": "fp32"}, "instance_norm": {"op:instance_norm": "fp32"}}
-FORMS = ["group_norm", "batch_norm", "instance_norm", "layer_norm"]
+FORMS = ["group_norm", "batch_norm", "instance_norm", "layer_norm", "layer_norm_affine"]
 
 
 def _inputs(seed: int = 0) -> torch.Tensor:
@@ -146,11 +149,14 @@ def test_fusion_removes_two_casts_forward_and_two_backward():
     assert counts[False] - counts[True] == 4, counts
 
 
-@pytest.mark.parametrize("case", ["affine_layer_norm", "fp32_reader", "switched_off"])
+@pytest.mark.parametrize("case", ["leaf_affine_layer_norm", "fp32_reader", "switched_off"])
 def test_not_fused(case):
-    """Affine CPU layer_norm (its weight gradient would lose precision), a reader that computes in fp32, and the switch."""
-    if case == "affine_layer_norm":
-        gm = _convert(NormBetween("layer_norm_affine", front=True), "layer_norm", torch.bfloat16, True)
+    """A leaf nn.LayerNorm with weights (CPU's own mixed backward would round dw/db low), a reader that computes
+    in fp32, and the switch."""
+    if case == "leaf_affine_layer_norm":
+        gm = amp_fx.convert(NormBetween("layer_norm_affine", front=True), "O1", dtype=torch.bfloat16,
+                            example_inputs=(_inputs(),), leaf_modules=[nn.LayerNorm])
+        assert _norm_node(gm).op == "call_module"
     elif case == "switched_off":
         gm = _convert(NormBetween("group_norm", front=True), "group_norm", torch.bfloat16, False)
     else:
@@ -197,3 +203,134 @@ def test_fused_through_relu_and_max_pool():
     assert _ulps(out_f, out_c, torch.bfloat16) <= 1.0 and _ulps(gx_f, gx_c, torch.bfloat16) <= 1.0
     for name, want in gp_c.items():
         assert _ulps(gp_f[name], want, torch.bfloat16) <= 1.0, name
+
+
+# ---- affine layer_norm: retargeted to layer_norm_fp32_stats (mixed forward, the cast form's fp32 backward) ----
+
+class LinearLayerNormLinear(nn.Module):
+    """fp32 input -> Linear (bf16 GEMM) -> nn.LayerNorm (fp32 at O1, fed low) -> Linear (low reader)."""
+
+    def __init__(self, c: int = 16, bias: bool = True):
+        super().__init__()
+        self.fc1, self.ln, self.fc2 = nn.Linear(c, c), nn.LayerNorm(c, bias=bias), nn.Linear(c, c)
+        with torch.no_grad():  # weights away from 1 and 0: their gradients then depend on them
+            self.ln.weight.uniform_(0.5, 2.0)
+            if bias:
+                self.ln.bias.uniform_(-1.0, 1.0)
+
+    def forward(self, x):  # (no annotations: under `from __future__ import annotations` fx records them as
+        return self.fc2(self.ln(self.fc1(x)))  # strings, which GraphModule pickling cannot import)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """|got - want| / |want| in the 2-norm."""
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def _ln_pair(bias: bool, dtype: torch.dtype, c: int = 16, seed: int = 0):
+    torch.manual_seed(seed)
+    model, x = LinearLayerNormLinear(c, bias), torch.randn(8, 12, c) * 3 + 1
+    fused = amp_fx.convert(model, "O1", dtype=dtype, example_inputs=(x,))
+    cast = amp_fx.convert(model, "O1", dtype=dtype, example_inputs=(x,), fuse_precision=False)
+    return fused, cast, x
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_affine_layer_norm_fused_and_as_precise_as_the_cast_form(dtype, bias):
+    """Output within 1 low ulp of the cast form; LN weight/bias gradients as fp32's (1e-5, not CPU's mixed ~1%);
+    input and upstream Linear gradients within 1 low ulp."""
+    fused, cast, x = _ln_pair(bias, dtype)
+    node = _norm_node(fused)
+    assert node.meta.get("amp_fx.fused") == "layer_norm with fp32 statistics and fp32 weight/bias gradients"
+    assert node.target is layer_norm_fp32_stats and not _norm_node(cast).meta.get("amp_fx.fused")
+    record = fused.amp_report.node(node.name)
+    assert record.decision == "fp32" and "fp32 weight/bias gradients" in record.reason
+    assert node.meta["amp_fx.float_dtype"] == dtype  # the analysis predicts the low result
+    (out_f, gx_f, gp_f), (out_c, gx_c, gp_c) = _run(fused, x), _run(cast, x)
+    assert _ulps(out_f, out_c, dtype) <= 1.0
+    assert _ulps(gx_f, gx_c, dtype) <= 1.0
+    assert gp_f.keys() == gp_c.keys() and ("ln.bias" in gp_c) == bias
+    for name in ("ln.weight", "ln.bias") if bias else ("ln.weight",):
+        assert gp_f[name].dtype == torch.float32 and _rel(gp_f[name], gp_c[name]) < 1e-5, name
+    for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
+        assert _ulps(gp_f[name], gp_c[name], dtype) <= 1.0, name
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_layer_norm_fp32_stats_against_an_fp32_reference(dtype):
+    """The function itself, on the issue's 256x1024: weight/bias gradients as the cast form's (~1e-7 of an fp64
+    reference), where CPU's own mixed-dtype layer_norm is ~1e-3..1e-2 off; output and input gradient equal it."""
+    torch.manual_seed(0)
+    x = (torch.randn(256, 1024) * 3 + 1).to(dtype)
+    w, b, g = torch.rand(1024) + 0.5, torch.randn(1024), torch.randn(256, 1024).to(dtype)
+
+    def grads(fn, precision):
+        leaves = [t.detach().to(precision).requires_grad_() for t in (x, w, b)]
+        out = fn(*leaves)
+        out.backward(g.to(out.dtype))
+        return [out.detach()] + [t.grad for t in leaves]
+
+    ours = grads(lambda x_, w_, b_: layer_norm_fp32_stats(x_.to(dtype), (1024,), w_, b_, 1e-5), torch.float32)
+    mixed = grads(lambda x_, w_, b_: F.layer_norm(x_.to(dtype), (1024,), w_, b_, 1e-5), torch.float32)
+    exact = grads(lambda x_, w_, b_: F.layer_norm(x_, (1024,), w_, b_, 1e-5), torch.float64)
+    assert ours[0].dtype == dtype and _ulps(ours[0], exact[0], dtype) <= 1.0
+    for i in (2, 3):  # weight, bias
+        assert _rel(ours[i], exact[i]) < 1e-5 and _rel(mixed[i], exact[i]) > 1e-4  # the test can tell them apart
+    assert _ulps(ours[1], exact[1], dtype) <= 1.0  # the input gradient, rounded once to the input's dtype
+
+
+def test_affine_layer_norm_saves_casts():
+    """Two casts fewer forward (fc1's result up, the norm's result down), one more backward: the cast form's
+    backward casts the gradient up and the input gradient down (2); the fused one also upcasts the saved low
+    input again (3), which is what keeping a low copy instead of an fp32 one costs."""
+    counts = {}
+    for fuse, gm in zip((True, False), _ln_pair(True, torch.bfloat16)[:2]):
+        with _Casts() as probe:
+            _run(gm, _inputs())
+        counts[fuse] = probe.count
+    assert counts[False] - counts[True] == 1, counts
+
+
+def test_affine_layer_norm_under_torch_compile_and_pickled():
+    """torch.compile(backend="aot_eager") traces the custom Function; the module pickles (the code imports
+    layer_norm_fp32_stats from amp_fx.core.fused_norms) and computes the same, gradients included."""
+    fused, _, x = _ln_pair(True, torch.bfloat16)
+    want_out, want_gx, want_gp = _run(fused, x)
+    buffer = io.BytesIO()
+    torch.save(fused, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert any(n.target is layer_norm_fp32_stats for n in loaded.graph.nodes)
+    assert b"from amp_fx.core.fused_norms import layer_norm_fp32_stats" in pickle.dumps(fused)  # the code's import
+    for module in (torch.compile(fused, backend="aot_eager"), loaded, pickle.loads(pickle.dumps(fused))):
+        out, gx, gp = _run(module, x)
+        assert torch.equal(out, want_out) and torch.equal(gx, want_gx)
+        gp = {name.removeprefix("_orig_mod."): grad for name, grad in gp.items()}  # torch.compile's wrapper
+        assert gp.keys() == want_gp.keys() and all(torch.equal(gp[name], want_gp[name]) for name in want_gp)
+
+
+def test_affine_layer_norm_dtype_only_and_pass_contract():
+    """Without example inputs the node is fused and predicted low too; the pass changes the code only by the
+    retarget (modified=True once, then idempotent), and insert_casts writes two casts fewer."""
+    model, x = LinearLayerNormLinear(), _inputs()
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    node = _norm_node(gm)
+    assert node.target is layer_norm_fp32_stats and node.meta["amp_fx.float_dtype"] == torch.bfloat16
+    assert gm(x).dtype == torch.float32
+    check(fuse_precision, model, (x,), delta=0, expect_modified=True, example_inputs=(x,))
+    fused = check(insert_casts, model, (x,), example_inputs=(x,))
+    plain = check(insert_casts, model, (x,), example_inputs=(x,), fuse_precision=False)
+    assert len(plain.graph.nodes) - len(fused.graph.nodes) == 2
+
+
+def test_affine_layer_norm_read_in_fp32_keeps_the_cast_form():
+    """A residual add reads the norm's result with fp32 x: not fused, and the call stays F.layer_norm."""
+    class Residual(LinearLayerNormLinear):
+        def forward(self, x):
+            return self.fc2(self.ln(self.fc1(x)) + x)
+
+    gm = amp_fx.convert(Residual(), "O1", dtype=torch.bfloat16, example_inputs=(_inputs(),))
+    node = _norm_node(gm)
+    assert node.target is F.layer_norm and not node.meta.get("amp_fx.fused")
+    assert node.meta["amp_fx.float_dtype"] == torch.float32
