@@ -25,8 +25,12 @@ every *free* node:
    their inputs.  A multi-input FOLLOW op promotes for free (``add(fp32,
    low)`` needs no cast), so it may be fp32 only where a designated input is;
    a single-input op on the other side of its input casts that input.
-5. ``networkx.minimum_cut`` solves it; ties go to the greedy side.
-6. A free node whose new dtype is not what following its inputs gives is
+5. Precision is never lowered: a node the greedy paint runs in fp32 may move
+   low only if its op commutes with rounding (views, ``relu``, max pooling,
+   ...) and every reader rounds its result low anyway.  A residual ``add``
+   of an fp32 stream stays fp32, as under autocast.
+6. ``networkx.minimum_cut`` solves it; ties go to the greedy side.
+7. A free node whose new dtype is not what following its inputs gives is
    repainted ``"low"``/``"fp32"`` (reason ``"placed low: min-cut"``);
    ``insert_casts`` writes the casts.  The placement is kept only if the casts
    it implies (:func:`amp_fx.core.analysis.planned_casts`, read off the dtype
@@ -81,6 +85,18 @@ _FREE_FOLLOW = frozenset({
 })
 # Of those, the ones that read several tensors and may run in the widest of them.
 _PROMOTING_FOLLOW = frozenset({"add", "sub", "mul", "div", "where", "maximum", "minimum", "lerp", "rsub"})
+# Ops that commute with rounding to the low dtype (rounding is monotone): narrowing
+# their input gives exactly what narrowing their output gives.  Only these may
+# move from fp32 to low; an op that computes (``add`` on a residual stream, ``gelu``)
+# would round its fp32 inputs first and be less precise than autocast.
+_EXACT_UNDER_ROUNDING = frozenset({
+    "relu", "neg", "abs", "sign", "clamp", "clamp_min", "clamp_max", "hardtanh", "relu6", "threshold",
+    "where", "maximum", "minimum", "masked_fill", "max_pool1d", "max_pool2d", "max_pool3d", "amax", "amin",
+    "view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "contiguous", "expand",
+    "repeat", "squeeze", "unsqueeze", "narrow", "select", "slice", "index_select", "gather", "roll",
+    "flip", "clone", "detach", "identity", "pad", "constant_pad_nd", "tril", "triu", "alias",
+    "unsafe_view", "_unsafe_view", "getitem", "cat", "stack",
+})
 
 
 # --------------------------------------------------------------------------
@@ -284,7 +300,36 @@ def build_problem(gm: fx.GraphModule, ctx: PassContext, paint: dict, analysis: A
             else:
                 _add(problem.up, u, node)  # PROMOTE casts its narrower inputs up
                 problem.implies.append((u, node))
+    _keep_fp32_precision(problem, paint, ctx, low)
     return problem, free_kind
+
+
+def _keep_fp32_precision(problem: CastProblem, paint: dict, ctx: PassContext, low: torch.dtype) -> None:
+    """Forbid every move to low that would round a value some reader computed with in fp32.
+
+    Moving casts changes where rounding happens, never how much: a free node
+    that the greedy paint runs in fp32 may run low only if its op commutes
+    with rounding and every reader rounds its result to ``low`` anyway (a
+    low op, a low output) or is itself free, and then may only follow that
+    reader to the low side.  So the min-cut saves bytes without computing
+    anything in lower precision than the tables (and autocast) do.
+    """
+    free = set(problem.free)
+    output_low = ctx.config.cast_model_outputs == low
+
+    def rounds_anyway(reader: fx.Node) -> bool:
+        if reader.op == "output":
+            return output_low
+        return paint.get(reader) == "low" and reader.meta.get(meta.LOW_DTYPE) in (None, low)
+
+    for node in problem.free:
+        if problem.greedy[node] != 1:
+            continue
+        if node.meta.get(meta.OP) not in _EXACT_UNDER_ROUNDING or not all(
+                reader in free or rounds_anyway(reader) for reader in node.users):
+            problem.implies.append((SINK, node))
+            continue
+        problem.implies.extend((reader, node) for reader in node.users if reader in free)
 
 
 def _free_kind(node: fx.Node, decision: str, kinds: dict, dtypes: dict, sided: dict, values: dict) -> Optional[str]:

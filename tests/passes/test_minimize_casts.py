@@ -95,7 +95,7 @@ def _measured(model: nn.Module, example: tuple, minimize: bool, **kwargs) -> amp
 # Hand-built graphs where the greedy paint casts more than it needs to
 # --------------------------------------------------------------------------
 class HandBias(nn.Module):
-    """x @ W1 + b1 then @ W2: greedy adds the fp32 bias in fp32 and casts the (4, 32) sum back down."""
+    """x @ W1 + b1 then @ W2: the bias add runs fp32 (as autocast's promotion does), its sum is cast down."""
 
     def __init__(self):
         super().__init__()
@@ -108,7 +108,7 @@ class HandBias(nn.Module):
 
 
 class FanOut(nn.Module):
-    """An fp32 layer_norm read by two FOLLOW ops that feed two Linears: greedy casts each branch."""
+    """An fp32 layer_norm read by two FOLLOW ops that feed two Linears: tanh computes, so it stays fp32."""
 
     def __init__(self):
         super().__init__()
@@ -146,8 +146,6 @@ class FanIn32(nn.Module):
 X = (4, 16)
 # (model, greedy cast elements, optimal cast elements, nodes moved); weight casts are in both.
 HAND_BUILT = [
-    (HandBias, 4 * 16 + 16 * 32 + 32 * 8 + 4 * 32, 4 * 16 + 16 * 32 + 32 * 8 + 32, 1),
-    (FanOut, (8 * 16 + 8) * 2 + 2 * 4 * 16, (8 * 16 + 8) * 2 + 4 * 16, 2),
     (Broadcast, 8 * 16 + 8 + 4 * 16, 8 * 16 + 8 + 4 * 1, 1),
     (FanIn32, 4 * 16 + 8 * 16 + 8 + 2 * 4 * 8, 4 * 16 + 8 * 16 + 8 + 4 * 8, 2),
 ]
@@ -166,27 +164,69 @@ def test_hand_built_graph_reaches_the_optimum(factory, greedy, optimal, moved):
 
 
 def test_reasons_say_placed_by_min_cut():
-    """Moved nodes say so in the report; an explicit paint reads 'placed low: min-cut' and is a low node."""
-    converted = _measured(FanOut(), (torch.randn(*X),), True)
+    """Moved nodes say so in the report: 'placed fp32: min-cut', with the bytes saved in one line."""
+    converted = _measured(FanIn32(), (torch.randn(*X),), True)
     relu, tanh = converted.amp_report.node("relu"), converted.amp_report.node("tanh")
     for record in (relu, tanh):
-        assert (record.decision, record.reason, record.rule, record.dtype) == ("low", "placed low: min-cut", "min-cut", "bfloat16")
+        assert (record.decision, record.reason, record.rule, record.dtype) == ("fp32", "placed fp32: min-cut", "min-cut", "float32")
     line = converted.amp_report.passes["minimize_casts"]["report_lines"][0]
-    assert line == "cast bytes per forward 2,400 greedy -> 2,016 min-cut (384 saved, 16%); 2 nodes moved: 2 to low, 0 to fp32"
+    assert line == "cast bytes per forward 1,584 greedy -> 1,392 min-cut (192 saved, 12%); 2 nodes moved: 0 to low, 2 to fp32"
     assert "minimize_casts: " + line in str(converted.amp_report)
 
 
 def test_without_example_inputs_sizes_are_estimated():
     """No example inputs: activation sizes fall back to estimates, the report says so, the placement is the same."""
-    model, x = FanOut(), torch.randn(*X)
+    model, x = Broadcast(), torch.randn(*X)
     estimated = amp_fx.convert(model, "O1", dtype=torch.bfloat16, cast_model_outputs=False)
     stats = estimated.amp_report.passes["minimize_casts"]
-    assert stats["sizes_estimated"] and stats["moved"] == 2 and stats["cast_bytes_min_cut"] < stats["cast_bytes_greedy"]
+    assert stats["sizes_estimated"] and stats["moved"] == 1 and stats["cast_bytes_min_cut"] < stats["cast_bytes_greedy"]
     assert stats["report_lines"][0].startswith("cast bytes per forward ~") and "(sizes estimated" in stats["report_lines"][0]
     exact = _measured(model, (x,), True)
-    assert [r.decision for r in estimated.amp_report.nodes if r.rule == "min-cut"] == ["low", "low"]
+    assert [r.decision for r in estimated.amp_report.nodes if r.rule == "min-cut"] == ["low"]
     assert {r.name for r in estimated.amp_report.nodes if r.rule == "min-cut"} == {r.name for r in exact.amp_report.nodes if r.rule == "min-cut"}
     torch.testing.assert_close(estimated(x), exact(x), rtol=0, atol=0)
+
+
+class Residual(nn.Module):
+    """A residual stream: each ``x + f(x)`` adds an fp32 stream to a low branch (autocast promotes it to fp32)."""
+
+    def __init__(self, d: int = 16, layers: int = 6):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.head = nn.Linear(d, 4)
+        for layer in self.layers:
+            nn.init.normal_(layer.weight, std=0.01)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + 0.1 * torch.tanh(layer(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("factory", [HandBias, FanOut, Residual], ids=lambda f: f.__name__)
+def test_never_computes_lower_than_the_tables(factory):
+    """Moving casts never rounds what an op computes with: a bias add, a tanh and a residual stream stay fp32.
+
+    Moving them low would save bytes, but would compute them from rounded fp32
+    inputs, less precise than the tables and autocast (a 12-layer residual
+    network measured twice autocast's error that way). The outputs and the
+    gradients are bitwise those of minimize_casts=False, and of autocast.
+    """
+    torch.manual_seed(0)
+    model, x = factory(), torch.randn(*X) * 30
+    on = amp_fx.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,))
+    off = amp_fx.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,), minimize_casts=False)
+    assert not any(r.rule == "min-cut" and r.decision == "low" for r in on.amp_report.nodes)
+    results = []
+    for module in (on, off):
+        xi = x.clone().requires_grad_()
+        out = module(xi)
+        results.append((out, *torch.autograd.grad(out.sum(), [xi, *model.parameters()])))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = model(x)
+    assert torch.equal(results[0][0], reference.float())
 
 
 def test_moved_to_fp32_and_switched_off():
@@ -285,7 +325,7 @@ def test_random_graphs_never_cost_more_than_greedy(first):
         wins += placed_bytes < stats["cast_bytes_greedy"]
         # PROMOTE semantics: a promote op is never repainted.
         assert all(r.decision == "promote" for r in report.nodes if r.op in ("cat", "addcmul")), seed
-    assert wins >= 3  # the generator does produce graphs that greedy gets wrong
+    assert wins >= 1  # the generator does produce graphs that greedy gets wrong
 
 
 def test_random_graphs_second_run_changes_nothing():
@@ -354,13 +394,16 @@ class BiasMLPBlock(zoo.SDPABlock):
         return x + self.mlp_out(F.gelu(self.mlp_in(self.norm2(x)) + self.mlp_in_bias))
 
 
-def test_transformer_block_with_separate_bias_saves_bytes():
-    """A transformer block where greedy adds a bias in fp32: min-cut casts the (64,) bias, not the (2, 6, 64) activation."""
+def test_transformer_block_with_separate_bias_keeps_the_bias_add_fp32():
+    """A transformer block whose MLP adds a separate fp32 bias: the add stays fp32, as autocast runs it.
+
+    Casting the (64,) bias instead of the (2, 6, 64) sum would save bytes but
+    add in low precision; the min-cut leaves it, and the output is bitwise the
+    greedy placement's.
+    """
     torch.manual_seed(0)
     model, example = BiasMLPBlock(), zoo.SDPABlock.example()
     on, off = _measured(model, example, True), _measured(model, example, False)
-    saved = 2 * 6 * 64 * CAST - 64 * CAST
-    assert off.amp_report.cast_bytes - on.amp_report.cast_bytes == saved
-    assert on.amp_report.passes["minimize_casts"]["cast_bytes_saved"] == saved
-    assert on.amp_report.node("add_1").reason == "placed low: min-cut"
-    torch.testing.assert_close(on(*example), model(*example), rtol=0.05, atol=0.05)
+    assert on.amp_report.node("add_1").decision != "low" and on.amp_report.node("add_1").dtype == "float32"
+    assert on.amp_report.cast_bytes <= off.amp_report.cast_bytes
+    assert torch.equal(on(*example), off(*example))
