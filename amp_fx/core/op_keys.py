@@ -56,6 +56,7 @@ _ATEN_ALIASES = {
 # whose canonical ATen name differs.
 _PY_ALIASES = {
     "multi_head_attention_forward": "multi_head_attention",
+    "layer_norm_fp32_stats": "layer_norm",  # amp_fx's fused form (passes/fuse_precision.py), converted again
     "multi_dot": "linalg_multi_dot",
     "vecdot": "linalg_vecdot",
     "linalg_cross": "cross",
