@@ -20,7 +20,7 @@ import types
 import warnings
 from typing import Any
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "REMOVED", "install"]
 
 MOVED = {
     "amp_fx.api": "amp_fx.core.api",
@@ -76,6 +76,44 @@ def _warn(old: str, new: str) -> None:
     )
 
 
+def _resolve_dtype(dtype: Any, module: Any = None) -> Any:
+    """0.1's ``amp_fx.config.resolve_dtype``: the explicit dtype, else autocast's for the module's device."""
+    from amp_fx.core.devices import device_type_of, low_dtype_for
+
+    return dtype if dtype is not None else low_dtype_for(device_type_of(module))
+
+
+def _graph_device_type(gm: Any, example_inputs: Any = ()) -> str:
+    """0.1's ``amp_fx.backend_graph.graph_device_type``: now :func:`amp_fx.core.devices.device_type_of`."""
+    from amp_fx.core.devices import device_type_of
+
+    return device_type_of(gm, example_inputs)
+
+
+def _low_dtype_for(device_type: str) -> Any:
+    """0.1's ``amp_fx.backend_graph.low_dtype_for``: now :func:`amp_fx.core.devices.low_dtype_for`."""
+    from amp_fx.core.devices import low_dtype_for
+
+    return low_dtype_for(device_type)
+
+
+# Public names of 0.1 modules that are gone from the module at the new path: served on the old path only.
+REMOVED = {
+    "amp_fx.config": {"resolve_dtype": _resolve_dtype},
+    "amp_fx.backend_graph": {"graph_device_type": _graph_device_type, "low_dtype_for": _low_dtype_for},
+}
+
+
+class _OldModule(types.ModuleType):
+    """An old module path whose module lost public names: the moved module's names, plus the removed ones."""
+
+    def __getattr__(self, name: str) -> Any:
+        removed = REMOVED[self.__name__]
+        if name in removed:
+            return removed[name]
+        return getattr(importlib.import_module(MOVED[self.__name__]), name)
+
+
 class _CallableBackendModule(types.ModuleType):
     """The old ``amp_fx.backend`` module: callable as the ``amp_fx.backend`` function, with the module's names as attributes."""
 
@@ -101,6 +139,8 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         _warn(spec.name, new)
         if spec.name == "amp_fx.backend":
             return _CallableBackendModule(spec.name)
+        if spec.name in REMOVED:
+            return _OldModule(spec.name)
         return importlib.import_module(new)
 
     def exec_module(self, module: types.ModuleType) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import amp_fx
-from amp_fx._moved import MOVED
+from amp_fx._moved import MOVED, REMOVED
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))
@@ -19,10 +19,27 @@ def test_an_old_module_path_imports_the_moved_module_with_a_warning_naming_the_n
     sys.modules.pop(old, None)
     with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
         module = importlib.import_module(old)
-    if old == "amp_fx.backend":
-        assert module.AmpBackend is importlib.import_module(new).AmpBackend
+    moved = importlib.import_module(new)
+    if old == "amp_fx.backend" or old in REMOVED:
+        public = [name for name in vars(moved) if not name.startswith("_")]
+        assert all(getattr(module, name) is getattr(moved, name) for name in public)
     else:
-        assert module is importlib.import_module(new)
+        assert module is moved
+
+
+def test_public_names_that_left_a_module_are_still_served_on_its_old_path():
+    for old, names in REMOVED.items():
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning):
+            module = importlib.import_module(old)
+        for name in names:
+            assert callable(getattr(module, name))
+    config = importlib.import_module("amp_fx.config")
+    assert config.resolve_dtype(None, torch.nn.Linear(2, 2)) == torch.bfloat16
+    assert config.resolve_dtype(torch.float16, None) == torch.float16
+    graph = importlib.import_module("amp_fx.backend_graph")
+    assert graph.low_dtype_for("cuda") == torch.float16
+    assert graph.graph_device_type(torch.fx.symbolic_trace(torch.nn.Linear(2, 2)), (torch.randn(1, 2),)) == "cpu"
 
 
 def test_importing_the_old_backend_module_leaves_amp_fx_backend_callable():
