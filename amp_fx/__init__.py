@@ -9,7 +9,8 @@ from amp_fx import _moved
 from amp_fx.core.api import convert
 from amp_fx.dynamo.backend import AmpBackend, backend, last_report
 from amp_fx.core.config import AmpConfig, LEVELS
-from amp_fx.errors import AlreadyConvertedError, AmpError, BannedOpError, UnknownOpError
+from amp_fx.errors import (AlreadyConvertedError, AmpError, AmpIndexError, AmpKeyError, AmpNotImplementedError,
+                           AmpRuntimeError, AmpTypeError, AmpValueError, BannedOpError, UnknownOpError)
 from amp_fx.core.graph_module import AmpGraphModule
 from amp_fx.core.policy import Policy
 from amp_fx.core.report import ConversionReport, NodeRecord
@@ -64,6 +65,12 @@ __all__ = [*_LAZY,
     "ConversionReport",
     "NodeRecord",
     "AmpError",
+    "AmpValueError",
+    "AmpTypeError",
+    "AmpRuntimeError",
+    "AmpKeyError",
+    "AmpIndexError",
+    "AmpNotImplementedError",
     "AmpTraceError",
     "BannedOpError",
     "UnknownOpError",

@@ -32,7 +32,7 @@ from torch import nn
 from amp_fx.core.api import convert
 from amp_fx.apex.optimizers import OptimizerRecord, check_ownership, fit_optimizer
 from amp_fx.apex.properties import AmpProperties, build_scalers, resolve_properties
-from amp_fx.errors import AmpError
+from amp_fx.errors import AmpError, AmpIndexError, AmpRuntimeError, AmpTypeError, AmpValueError
 from amp_fx.core.graph_module import AmpGraphModule
 from amp_fx.runtime import LossScaler
 from amp_fx.runtime.modules import is_compiled, unwrap_compiled
@@ -71,7 +71,7 @@ def _listify(value: Any, kind: type, what: str) -> tuple[list[Any], Optional[typ
         return [value], None
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, kind) for v in value):
         return list(value), type(value)
-    raise TypeError(
+    raise AmpTypeError(
         f"amp_fx.initialize: {what} must be a {kind.__module__}.{kind.__qualname__} or a non-empty "
         f"list of them, got {type(value).__name__}"
     )
@@ -88,7 +88,7 @@ def _per_model(value: Any, count: int, listed: bool, what: str) -> list[Any]:
     if not listed:
         return [value]
     if not isinstance(value, (list, tuple)) or len(value) != count:
-        raise ValueError(
+        raise AmpValueError(
             f"{what}: models were passed as a list of {count}, so give one entry per model "
             "(None for models that need none), e.g. [(x1,), None]"
         )
@@ -144,7 +144,7 @@ def _compiled_like(dynamo_ctx: Any, module: nn.Module) -> nn.Module:
 def _record_of(optimizer: Any) -> OptimizerRecord:
     record = optimizer.__dict__.get(_STASH) if hasattr(optimizer, "__dict__") else None
     if record is None:
-        raise RuntimeError(
+        raise AmpRuntimeError(
             "amp_fx.scale_loss got an optimizer that amp_fx.initialize did not return. Pass the "
             "optimizer(s) returned by model, optimizer = amp_fx.initialize(model, optimizer, ...) "
             "(at O2 that is a MasterWeightOptimizer wrapping yours)."
@@ -195,7 +195,7 @@ def initialize(
     opt_list, opt_box = ([], None) if optimizers is None else _listify(
         optimizers, torch.optim.Optimizer, "optimizers")
     if len({id(m) for m in model_list}) != len(model_list) or len({id(o) for o in opt_list}) != len(opt_list):
-        raise ValueError("amp_fx.initialize: the same model or optimizer appears twice in the lists")
+        raise AmpValueError("amp_fx.initialize: the same model or optimizer appears twice in the lists")
     for model in model_list:
         _check_fresh_model(model)
     for optimizer in opt_list:
@@ -272,13 +272,13 @@ def scale_loss(
     del model  # Apex accepted it; nothing here needs it
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     if not opts:
-        raise ValueError("amp_fx.scale_loss needs at least one optimizer")
+        raise AmpValueError("amp_fx.scale_loss needs at least one optimizer")
     records = [_record_of(o) for o in opts]
     session = records[0].session
     if any(r.session is not session for r in records):
-        raise RuntimeError("amp_fx.scale_loss: the optimizers come from different amp_fx.initialize calls")
+        raise AmpRuntimeError("amp_fx.scale_loss: the optimizers come from different amp_fx.initialize calls")
     if not 0 <= loss_id < len(session.scalers):
-        raise IndexError(
+        raise AmpIndexError(
             f"loss_id={loss_id}, but amp_fx.initialize set up {len(session.scalers)} loss scaler(s); "
             f"pass num_losses={loss_id + 1} (or more) to initialize to give each loss its own scaler."
         )
@@ -303,7 +303,7 @@ def scale_loss(
         for record in records:
             record.restore_grads()
             record.scaled = False
-        raise RuntimeError(
+        raise AmpRuntimeError(
             "amp_fx.scale_loss: the backward pass inside the block gave no gradient to any parameter of "
             "the optimizer(s) passed; call scaled_loss.backward() inside the block, and pass the "
             "optimizers whose parameters the loss depends on."
@@ -327,7 +327,7 @@ def scale_loss(
 # ------------------------------------------------------------- checkpoints
 def _session() -> _Session:
     if _current is None:
-        raise RuntimeError("amp_fx.initialize has not been called: there are no loss scalers yet")
+        raise AmpRuntimeError("amp_fx.initialize has not been called: there are no loss scalers yet")
     return _current
 
 
@@ -349,7 +349,7 @@ def load_state_dict(state: dict) -> None:
     scalers = _session().scalers
     keys = sorted((k for k in state if k.startswith("loss_scaler")), key=lambda k: int(k[len("loss_scaler"):]))
     if len(keys) != len(scalers) or len(keys) != len(state):
-        raise ValueError(
+        raise AmpValueError(
             f"the amp_fx state holds {len(keys)} loss scaler(s) ({sorted(state)}), but initialize set up "
             f"{len(scalers)}; call initialize with num_losses={len(keys)} as when it was saved."
         )

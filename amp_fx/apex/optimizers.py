@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from amp_fx.runtime import MasterWeightOptimizer
+from amp_fx.errors import AmpRuntimeError, AmpValueError
 
 __all__ = ["OptimizerRecord", "check_ownership", "fit_optimizer"]
 
@@ -32,7 +33,7 @@ def check_ownership(optimizer: torch.optim.Optimizer, owners: dict[int, tuple[in
     for group in optimizer.param_groups:
         for param in group["params"]:
             if id(param) not in owners:
-                raise ValueError(
+                raise AmpValueError(
                     "optimizer does not own the model's parameters: it holds a tensor of shape "
                     f"{tuple(param.shape)} ({param.dtype}) that is no parameter of the model(s) "
                     "passed to amp_fx.initialize. Build the optimizer over model.parameters() of "
@@ -75,7 +76,7 @@ def fit_optimizer(
     if not cast_params:
         shared = all(module_params[id(p)] is p for g in optimizer.param_groups for p in g["params"])
         if not shared:  # convert() promises O0/O1 modules share the model's parameters
-            raise RuntimeError("internal error: the converted module does not share the model's parameters")
+            raise AmpRuntimeError("internal error: the converted module does not share the model's parameters")
         return optimizer, OptimizerRecord(optimizer)
     if master_weights:
         params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -18,6 +18,7 @@ import torch
 from amp_fx.core.api import convert
 from amp_fx.core.config import LEVELS, AmpConfig, make_config, parse_dtype
 from amp_fx.runtime import LossScaler
+from amp_fx.errors import AmpTypeError, AmpValueError
 
 __all__ = ["AmpProperties", "resolve_properties", "build_scalers", "APEX_PROPERTIES"]
 
@@ -66,7 +67,7 @@ def _as_bool(name: str, value: Any) -> Optional[bool]:
         return value
     if isinstance(value, str) and value in ("True", "False"):
         return value == "True"
-    raise ValueError(f"{name} must be True, False or None, got {value!r}")
+    raise AmpValueError(f"{name} must be True, False or None, got {value!r}")
 
 
 def _parse_loss_scale(value: Any) -> Union[float, str]:
@@ -75,9 +76,9 @@ def _parse_loss_scale(value: Any) -> Union[float, str]:
     try:
         scale = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"loss_scale must be a positive number or 'dynamic', got {value!r}") from None
+        raise AmpValueError(f"loss_scale must be a positive number or 'dynamic', got {value!r}") from None
     if not scale > 0 or scale == float("inf"):
-        raise ValueError(f"loss_scale must be a positive finite number or 'dynamic', got {value!r}")
+        raise AmpValueError(f"loss_scale must be a positive finite number or 'dynamic', got {value!r}")
     return scale
 
 
@@ -88,7 +89,7 @@ def _model_dtype(level: str, cast_model_type: Any, dtype: Any) -> Optional[torch
         return low
     if cast_model_type == torch.float32:
         if level in ("O2", "O3"):
-            raise ValueError(
+            raise AmpValueError(
                 f"cast_model_type=torch.float32 at {level} would keep fp32 parameters, which is what "
                 "O1 does (fp32 parameters, op tables pick each op's precision). Use opt_level='O1', "
                 "or a low dtype (torch.float16 / torch.bfloat16)."
@@ -96,12 +97,12 @@ def _model_dtype(level: str, cast_model_type: Any, dtype: Any) -> Optional[torch
         return low
     cast = parse_dtype(cast_model_type, what="cast_model_type")
     if level in ("O0", "O1"):
-        raise ValueError(
+        raise AmpValueError(
             f"cast_model_type={cast_model_type} at {level}: this level keeps fp32 parameters. "
             "Pass dtype= to choose the low dtype the ops run in, or use O2/O3 to cast the parameters."
         )
     if low is not None and low != cast:
-        raise ValueError(f"cast_model_type={cast} and dtype={low} disagree; pass only one of them")
+        raise AmpValueError(f"cast_model_type={cast} and dtype={low} disagree; pass only one of them")
     return cast
 
 
@@ -109,7 +110,7 @@ def resolve_properties(opt_level: str, properties: dict[str, Any]) -> AmpPropert
     """Check Apex properties (and convert() keywords) against ``opt_level`` and resolve them."""
     unknown = sorted(set(properties) - set(APEX_PROPERTIES) - set(_CONVERT_KEYWORDS))
     if unknown:
-        raise TypeError(
+        raise AmpTypeError(
             f"unknown amp_fx.initialize propert{'y' if len(unknown) == 1 else 'ies'} {unknown}. "
             f"Apex properties: {list(APEX_PROPERTIES)}; other keywords of amp_fx.convert: "
             f"{[k for k in _CONVERT_KEYWORDS if k not in APEX_PROPERTIES]}."
@@ -123,7 +124,7 @@ def resolve_properties(opt_level: str, properties: dict[str, Any]) -> AmpPropert
     if keep_bn is not None and level in ("O0", "O1"):
         # O0/O1 parameters are fp32 anyway; Apex refused this combination too.
         if keep_bn is False:
-            raise ValueError(
+            raise AmpValueError(
                 f"keep_batchnorm_fp32=False at {level}: parameters stay fp32 at this level, so there is "
                 "nothing to cast. Use O2 or O3 to run batch norm in low precision."
             )
@@ -137,13 +138,13 @@ def resolve_properties(opt_level: str, properties: dict[str, Any]) -> AmpPropert
     props.pop("loss_scale", None)
     num_losses = int(props.pop("num_losses", 1) or 1)
     if num_losses < 1:
-        raise ValueError(f"num_losses must be >= 1, got {num_losses}")
+        raise AmpValueError(f"num_losses must be >= 1, got {num_losses}")
     min_s = props.pop("min_loss_scale", None)
     max_s = props.pop("max_loss_scale", None)
     max_s = _DEFAULT_MAX_SCALE if max_s is None else float(max_s)
     min_s = None if min_s is None else float(min_s)
     if min_s is not None and min_s > max_s:
-        raise ValueError(f"min_loss_scale={min_s} is above max_loss_scale={max_s}")
+        raise AmpValueError(f"min_loss_scale={min_s} is above max_loss_scale={max_s}")
     verbosity = int(props.pop("verbosity", 1) or 0)
     cast_outputs = props.pop("cast_model_outputs", None)
     convert_kwargs = dict(props, dtype=dtype, keep_batchnorm_fp32=keep_bn, cast_model_outputs=cast_outputs)

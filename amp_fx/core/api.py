@@ -9,7 +9,6 @@ parameters become the master weights (``converted.amp_fx_masters``).
 from __future__ import annotations
 
 import copy
-import difflib
 import functools
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -20,7 +19,7 @@ import torch.nn as nn
 from amp_fx.core import tables
 from amp_fx.core.config import AmpConfig, make_config
 from amp_fx.core.devices import device_type_of
-from amp_fx.errors import AlreadyConvertedError
+from amp_fx.errors import AlreadyConvertedError, AmpTypeError, AmpValueError, checks_keywords, did_you_mean
 from amp_fx.core.graph_module import AmpGraphModule, switching_modes
 from amp_fx.core.op_keys import CAST_OPS, canonical_op
 from amp_fx.core.pass_manager import PassContext
@@ -33,13 +32,13 @@ __all__ = ["convert"]
 
 def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
-        raise TypeError(
+        raise AmpTypeError(
             f"amp_fx.convert expects a torch.nn.Module, got {type(model).__name__}. "
             "Wrap a function in an nn.Module whose forward calls it."
         )
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if tensor.device.type == "meta":
-            raise ValueError(
+            raise AmpValueError(
                 f"the model has parameters on the meta device ({name!r} is one: no data to cast). "
                 "Materialise it first (model.to_empty(device=...) and load its weights), then convert."
             )
@@ -50,20 +49,19 @@ def _check_inputs(example_inputs: Any, example_kwarg_inputs: Any) -> None:
     if isinstance(example_inputs, (torch.Tensor, Mapping)):
         what = "a tensor" if isinstance(example_inputs, torch.Tensor) else "a dict"
         fix = "example_inputs=(x,)" if isinstance(example_inputs, torch.Tensor) else "example_kwarg_inputs={...}"
-        raise TypeError(f"example_inputs takes a tuple of the positional inputs, got {what}: write {fix}")
+        raise AmpTypeError(f"example_inputs takes a tuple of the positional inputs, got {what}: write {fix}")
     if example_kwarg_inputs is not None and not isinstance(example_kwarg_inputs, Mapping):
-        raise TypeError(f"example_kwarg_inputs takes a dict of keyword inputs, got {type(example_kwarg_inputs).__name__}")
+        raise AmpTypeError(f"example_kwarg_inputs takes a dict of keyword inputs, got {type(example_kwarg_inputs).__name__}")
 
 
 def _check_leaf_names(leaf_modules: Sequence[Any], module_names: Sequence[str]) -> None:
     """A leaf module named by a string must exist in the model (a typo would silently trace through it)."""
     if isinstance(leaf_modules, str):
-        raise TypeError(f"leaf_modules takes a list of module names or types: write leaf_modules=[{leaf_modules!r}]")
+        raise AmpTypeError(f"leaf_modules takes a list of module names or types: write leaf_modules=[{leaf_modules!r}]")
     for leaf in leaf_modules:
         if isinstance(leaf, str) and leaf not in module_names:
-            close = difflib.get_close_matches(leaf, [n for n in module_names if n], n=3, cutoff=0.5)
-            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            raise ValueError(f"leaf_modules names {leaf!r}, which the model does not have.{hint} "
+            hint = did_you_mean(leaf, [n for n in module_names if n], cutoff=0.5)
+            raise AmpValueError(f"leaf_modules names {leaf!r}, which the model does not have.{hint} "
                              "Names are those of model.named_modules(); module types are accepted too.")
 
 
@@ -132,6 +130,7 @@ def _one_at_a_time(fn: Callable) -> Callable:
 
 
 @_one_at_a_time
+@checks_keywords("amp_fx.convert", kind="conversion option")
 def convert(
     model: nn.Module,
     level: str = "O1",

@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from amp_fx.core.devices import device_type_of, low_dtype_for
+from amp_fx.errors import AmpTypeError, AmpValueError, unknown_options_error
 
 __all__ = ["AmpConfig", "LEVELS", "make_config", "parse_dtype"]
 
@@ -56,7 +57,7 @@ def parse_dtype(dtype: Union[None, str, torch.dtype], *, what: str = "dtype") ->
         return _DTYPE_NAMES[dtype.lower()]
     if dtype in (torch.float16, torch.bfloat16):
         return dtype
-    raise ValueError(
+    raise AmpValueError(
         f"{what}={dtype!r} is not a low-precision dtype. "
         "Use torch.float16 or torch.bfloat16 (or the strings 'fp16' / 'bf16'); "
         "leave it None to pick float16 on CUDA and bfloat16 on CPU."
@@ -111,7 +112,7 @@ class AmpConfig:
         data = dict(data)
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise ValueError(f"unknown AmpConfig keys {sorted(unknown)}")
+            raise AmpValueError(f"unknown AmpConfig keys {sorted(unknown)}")
         for key in ("dtype", "cast_model_outputs"):
             if isinstance(data.get(key), str):
                 data[key] = getattr(torch, data[key])
@@ -121,7 +122,7 @@ class AmpConfig:
 def make_config(level: str = "O1", **overrides: Any) -> AmpConfig:
     """Build an :class:`AmpConfig` from a level and keyword overrides (None means "level default")."""
     if not isinstance(level, str) or level.upper() not in LEVELS:
-        raise ValueError(
+        raise AmpValueError(
             f"unknown level {level!r}: amp_fx knows Apex's levels {', '.join(LEVELS)} "
             "(O0 = fp32, O1 = op tables, O2 = low params with fp32 masters, O3 = everything low)."
         )
@@ -129,7 +130,7 @@ def make_config(level: str = "O1", **overrides: Any) -> AmpConfig:
     fields = {f.name for f in dataclasses.fields(AmpConfig)}
     bad = sorted(set(overrides) - fields)
     if bad:
-        raise TypeError(f"unknown conversion option(s) {bad}; valid options are {sorted(fields - {'level', 'op_mode'})}")
+        raise unknown_options_error(bad, fields - {"level", "op_mode"}, "amp_fx.make_config", kind="conversion option")
     defaults = {f.name: f.default for f in dataclasses.fields(AmpConfig)}
     settings = dict(defaults, **_PRESETS[level], level=level)
     settings.update({k: v for k, v in overrides.items() if v is not None})
@@ -137,18 +138,18 @@ def make_config(level: str = "O1", **overrides: Any) -> AmpConfig:
     if settings.get("cast_model_outputs") is False:  # "keep the outputs as the graph computes them"
         settings["cast_model_outputs"] = None
     if settings.get("cast_model_outputs") is not None and not isinstance(settings["cast_model_outputs"], torch.dtype):
-        raise ValueError(
+        raise AmpValueError(
             f"cast_model_outputs must be a torch.dtype, False (keep the graph's dtypes) or None (the level's "
             f"default), got {settings['cast_model_outputs']!r}")
     for flag in ("keep_batchnorm_fp32", "master_weights", "allow_banned", "minimize_casts", "cast_params", "fuse_precision",
                  "cache_casts"):
         if not isinstance(settings[flag], bool):
-            raise TypeError(f"{flag} must be True or False, got {settings[flag]!r}")
+            raise AmpTypeError(f"{flag} must be True or False, got {settings[flag]!r}")
     if settings["on_unknown_op"] not in _UNKNOWN_OP_MODES:
-        raise ValueError(f"on_unknown_op must be one of {_UNKNOWN_OP_MODES}, got {settings['on_unknown_op']!r}")
+        raise AmpValueError(f"on_unknown_op must be one of {_UNKNOWN_OP_MODES}, got {settings['on_unknown_op']!r}")
     if settings["pad_gemm"] not in _PAD_MODES:
-        raise ValueError(f"pad_gemm must be 'auto', True or False, got {settings['pad_gemm']!r}")
+        raise AmpValueError(f"pad_gemm must be 'auto', True or False, got {settings['pad_gemm']!r}")
     loss_scale = settings["loss_scale"]
     if not (loss_scale == "dynamic" or isinstance(loss_scale, (int, float))):
-        raise ValueError(f"loss_scale must be a number or 'dynamic', got {loss_scale!r}")
+        raise AmpValueError(f"loss_scale must be a number or 'dynamic', got {loss_scale!r}")
     return AmpConfig(**settings)

@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from amp_fx.core.outer_autocast import call_without_outer_autocast
 from amp_fx.frontend.train_flags import FROZEN_ATTR
+from amp_fx.errors import AmpTypeError
 
 __all__ = ["AmpGraphModule", "AMP_ATTRIBUTES", "FrozenTrainingWarning", "switching_modes"]
 
@@ -121,7 +122,7 @@ def _check_input_dtypes(expected: dict, args: tuple, kwargs: dict) -> None:
         value = args[key] if isinstance(key, int) and key < len(args) else kwargs.get(key) if isinstance(key, str) else None
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
             name = f"input {key}" if isinstance(key, int) else f"input {key!r}"
-            raise TypeError(
+            raise AmpTypeError(
                 f"amp_fx: this module was converted with example inputs whose {name} was {dtype}, and is called with "
                 f"{value.dtype}. Its casts were placed for {dtype} (where a value is already in the right dtype no cast "
                 f"is written), so other dtypes would run ops in the wrong precision. Convert with example inputs of the "

@@ -33,6 +33,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch.nn as nn
 
+from amp_fx.errors import AmpTypeError, AmpValueError
+
 __all__ = ["Policy", "DECISIONS", "PolicyRule"]
 
 # What a rule can say about a node.
@@ -78,7 +80,7 @@ def _same_key(a: Any, b: Any) -> bool:
 
 def _check_decision(decision: str) -> str:
     if decision not in DECISIONS:
-        raise ValueError(f"unknown policy decision {decision!r}; use one of {DECISIONS}")
+        raise AmpValueError(f"unknown policy decision {decision!r}; use one of {DECISIONS}")
     return decision
 
 
@@ -105,20 +107,20 @@ class Policy:
         try:
             compiled = re.compile(pattern)
         except re.error as error:
-            raise ValueError(f"policy key 'module_re:{pattern}' is not a valid regular expression ({error}); "
+            raise AmpValueError(f"policy key 'module_re:{pattern}' is not a valid regular expression ({error}); "
                              "escape dots as \\. and check the brackets") from error
         return self._set(PolicyRule("module_re", compiled, _check_decision(decision)))
 
     def set_module_type(self, module_type: type, decision: str) -> "Policy":
         """Pin every op inside modules of ``module_type`` (subclasses included)."""
         if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-            raise TypeError(f"set_module_type expects an nn.Module subclass, got {module_type!r}")
+            raise AmpTypeError(f"set_module_type expects an nn.Module subclass, got {module_type!r}")
         return self._set(PolicyRule("type", module_type, _check_decision(decision)))
 
     def set_op(self, op: Union[str, Callable], decision: str) -> "Policy":
         """Decide an op by canonical name or by the callable itself (adds custom ops to a table)."""
         if not (isinstance(op, str) or callable(op)):
-            raise TypeError(f"set_op expects a canonical op name or a callable, got {op!r}")
+            raise AmpTypeError(f"set_op expects a canonical op name or a callable, got {op!r}")
         return self._set(PolicyRule("op", op, _check_decision(decision)))
 
     @classmethod
@@ -139,12 +141,12 @@ class Policy:
                 elif prefix == "op":
                     policy.set_op(rest, decision)
                 else:
-                    raise ValueError(
+                    raise AmpValueError(
                         f"unknown policy key {key!r}: prefix {prefix!r} is not one of "
                         "'module:', 'module_re:', 'op:' (or pass an nn.Module type or a callable as the key)"
                     )
             else:
-                raise ValueError(
+                raise AmpValueError(
                     f"unknown policy key {key!r}: write 'module:NAME', 'module_re:REGEX' or 'op:NAME', "
                     "or pass an nn.Module type or a callable as the key"
                 )
@@ -159,7 +161,7 @@ class Policy:
             return policy
         if isinstance(policy, Mapping):
             return cls.from_dict(policy)
-        raise TypeError(f"policy must be an amp_fx.Policy or a dict, got {type(policy).__name__}")
+        raise AmpTypeError(f"policy must be an amp_fx.Policy or a dict, got {type(policy).__name__}")
 
     # -- checking ---------------------------------------------------------
     def validate_against(self, module_names: Sequence[str]) -> None:
@@ -169,14 +171,14 @@ class Policy:
             if rule.kind == "module" and rule.key not in names:
                 close = difflib.get_close_matches(rule.key, names, n=3, cutoff=0.5)
                 hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-                raise ValueError(
+                raise AmpValueError(
                     f"policy names module {rule.key!r}, which the model does not have.{hint} "
                     "Module names are those of model.named_modules()."
                 )
             if rule.kind == "module_glob" and not any(fnmatch.fnmatchcase(n, rule.key) for n in names):
-                raise ValueError(f"policy pattern {rule.key!r} matches no module of the model")
+                raise AmpValueError(f"policy pattern {rule.key!r} matches no module of the model")
             if rule.kind == "module_re" and not any(rule.key.search(n) for n in names):
-                raise ValueError(f"policy regex {rule.key.pattern!r} matches no module of the model "
+                raise AmpValueError(f"policy regex {rule.key.pattern!r} matches no module of the model "
                                  f"(module names are those of model.named_modules(), e.g. {names[:3]})")
 
     # -- deciding ---------------------------------------------------------
@@ -216,7 +218,7 @@ class Policy:
                 continue
             close = difflib.get_close_matches(rule.key, candidates, n=3, cutoff=0.6)
             hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            raise ValueError(
+            raise AmpValueError(
                 f"policy names op {rule.key!r}, which is in no amp_fx table and not in this model's graph.{hint} "
                 "Op names are canonical ATen names (see `python -m amp_fx tables`), or a custom "
                 "autograd Function's class name."

@@ -12,6 +12,7 @@ import torch.fx as fx
 from amp_fx.core.cast_nodes import is_inserted_cast
 from amp_fx.core.cast_costs import cast_bytes
 from amp_fx.core.meta import float_dtype
+from amp_fx.errors import AmpKeyError, did_you_mean
 
 __all__ = ["ConversionReport", "NodeRecord", "build_report"]
 
@@ -106,7 +107,11 @@ class ConversionReport:
         for record in self.nodes:
             if record.name == name:
                 return record
-        raise KeyError(f"no node {name!r} in the report; names are those of the rewritten graph")
+        names = [record.name for record in self.nodes]
+        raise AmpKeyError(
+            f"no node {name!r} in the report.{did_you_mean(str(name), names)} Names are those of the rewritten "
+            f"graph's nodes ({len(names)} here: [r.name for r in report.nodes] lists them, print(report) shows them)."
+        )
 
     # -- output -----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

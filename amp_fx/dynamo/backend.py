@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import functools
 import logging
 import weakref
@@ -39,6 +38,7 @@ from amp_fx.core.outer_autocast import call_without_outer_autocast, no_outer_aut
 from amp_fx.core.pass_manager import PassContext
 from amp_fx.core.pipeline import rewrite_graph
 from amp_fx.core.policy import Policy
+from amp_fx.errors import AmpTypeError, AmpValueError, unknown_options_error
 from amp_fx.frontend.tracing import user_frame
 
 __all__ = ["AmpBackend", "backend", "amp_fx_backend", "last_report", "CompiledReport"]
@@ -52,8 +52,8 @@ _CONFIG_OPTIONS = frozenset(f.name for f in dataclasses.fields(AmpConfig))
 _LAST: list[Optional[CompiledReport]] = [None]
 
 
-def _o2_error(level: str) -> ValueError:
-    return ValueError(
+def _o2_error(level: str) -> AmpValueError:
+    return AmpValueError(
         f"level {level!r} keeps the parameters themselves in low precision, and a torch.compile backend only "
         "sees graphs, never the model's parameters, so it cannot convert them. Convert first, then compile:\n"
         f"    compiled = torch.compile(amp_fx.convert(model, level={level!r}))\n"
@@ -66,10 +66,8 @@ def _check_options(options: Mapping[str, Any]) -> None:
     bad = sorted(set(options) - _CONFIG_OPTIONS)
     if not bad:
         return
-    valid = sorted(set(_BACKEND_OPTIONS) | (_CONFIG_OPTIONS - {"op_mode"}))
-    close = [match for name in bad for match in difflib.get_close_matches(name, valid, n=1, cutoff=0.6)]
-    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    raise TypeError(f"unknown conversion option(s) {bad} for the amp_fx backend.{hint} Valid options are {valid}.")
+    valid = set(_BACKEND_OPTIONS) | (_CONFIG_OPTIONS - {"op_mode"})
+    raise unknown_options_error(bad, valid, "the amp_fx backend", kind="conversion option")
 
 
 def _resolve_inner(inner: Union[str, Callable]) -> tuple[Callable, str]:
@@ -77,9 +75,9 @@ def _resolve_inner(inner: Union[str, Callable]) -> tuple[Callable, str]:
     if callable(inner):
         return inner, getattr(inner, "__name__", type(inner).__name__)
     if not isinstance(inner, str):
-        raise TypeError(f"inner must be a backend name or a callable backend, got {inner!r}")
+        raise AmpTypeError(f"inner must be a backend name or a callable backend, got {inner!r}")
     if inner == "amp_fx":
-        raise ValueError("inner='amp_fx' would convert every graph twice; name the backend that compiles the result")
+        raise AmpValueError("inner='amp_fx' would convert every graph twice; name the backend that compiles the result")
     from torch._dynamo.backends.registry import lookup_backend
 
     return lookup_backend(inner), inner
@@ -162,7 +160,7 @@ class AmpBackend:
         if isinstance(level, str) and level.upper() in _PARAM_LEVELS:
             raise _o2_error(level.upper())
         if "example_inputs" in options or "leaf_modules" in options:
-            raise TypeError("example_inputs / leaf_modules are convert() options: Dynamo supplies the graphs and their values")
+            raise AmpTypeError("example_inputs / leaf_modules are convert() options: Dynamo supplies the graphs and their values")
         _check_options(options)
         self.config = make_config(level, dtype=dtype, pad_gemm=pad_gemm, **options)
         self.policy = Policy.coerce(policy)
@@ -310,7 +308,7 @@ def amp_fx_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options
                    mode: Optional[str] = None) -> Callable:
     """The backend registered as ``"amp_fx"``; ``torch.compile(..., options={...})`` passes :func:`backend`'s keywords."""
     if mode not in (None, "default"):
-        raise ValueError(
+        raise AmpValueError(
             f"mode={mode!r} tunes inductor; amp_fx has no modes. Pass a configured inner backend instead, "
             "e.g. options={'inner': my_inductor_backend}."
         )

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from amp_fx.frontend import regions, regions_export
 from amp_fx.core.casts import HELPERS
-from amp_fx.errors import AmpError, UnsupportedConstructError
+from amp_fx.errors import AmpError, AmpTypeError, UnsupportedConstructError
 from amp_fx.frontend.export_guards import watched_export
 from amp_fx.frontend.source_lines import innermost_user_frame, is_library_file
 from amp_fx.frontend.train_flags import FROZEN_ATTR, TrainingReads
@@ -67,7 +67,7 @@ class AmpTracer(fx.Tracer):
         self.leaf_names = frozenset(n for n in leaves if isinstance(n, str))
         bad = [leaf for leaf in leaves if not isinstance(leaf, (type, str))]
         if bad:
-            raise TypeError(f"leaf_modules takes module types or qualified module names, got {bad!r}")
+            raise AmpTypeError(f"leaf_modules takes module types or qualified module names, got {bad!r}")
 
     def trace(self, root: Any, concrete_args: Optional[dict] = None) -> fx.Graph:
         self._tensor_names = None

@@ -45,6 +45,7 @@ from amp_fx.inspection.find_overflow import (
 )
 from amp_fx.core.policy import Policy
 from amp_fx.passes.propagate_meta import eval_mode
+from amp_fx.errors import AmpValueError
 
 __all__ = ["calibrate", "CalibrationResult", "Finding"]
 
@@ -272,9 +273,9 @@ def calibrate(
     """
     batches = [_as_batch(b) for b in batches]
     if not batches:
-        raise ValueError("calibrate needs at least one batch of inputs")
+        raise AmpValueError("calibrate needs at least one batch of inputs")
     if not 0 < range_fraction <= 1:
-        raise ValueError(f"range_fraction must be in (0, 1], got {range_fraction!r}")
+        raise AmpValueError(f"range_fraction must be in (0, 1], got {range_fraction!r}")
     user_rules = list(Policy.coerce(policy).rules)
     added: dict[str, str] = {}
     examples = tuple(example_inputs) if example_inputs is not None else _as_batch(batches[0])

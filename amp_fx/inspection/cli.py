@@ -16,12 +16,13 @@ import inspect
 import json
 import os
 import sys
+import tempfile
 import textwrap
 from typing import Any, Callable, Optional, Sequence
 
-from amp_fx.errors import AmpError
+from amp_fx.errors import AmpError, did_you_mean
 
-__all__ = ["main", "build_parser", "load_factory", "parse_shape", "CliError"]
+__all__ = ["main", "build_parser", "load_factory", "parse_shape", "check_writable", "CliError"]
 
 _INPUT_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32")
 _TITLES = {
@@ -137,6 +138,24 @@ def _build_model(args: argparse.Namespace) -> tuple[Any, tuple]:
     return model, inputs
 
 
+def check_writable(flag: str, path: str) -> None:
+    """Refuse an output path amp_fx could not write, before any work is done; never creates a folder."""
+    if os.path.isdir(path):
+        example = os.path.join(path, "report.json" if flag == "--json" else "graph.html")
+        raise CliError(f"{flag} {path!r} is a folder; give a file in it, e.g. {flag} {example}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CliError(f"{flag} {path!r}: the folder {folder!r} does not exist; create it first "
+                       f"(mkdir -p {folder}) or write into an existing folder")
+    try:
+        # Creating a file is the only reliable test: root passes os.access() where /proc still refuses new files.
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise CliError(f"{flag} {path!r}: cannot create files in {folder!r} ({error.strerror or error}); "
+                       "write into a folder you can write to, e.g. the current one") from error
+
+
 # -- commands --------------------------------------------------------------------------
 def _inspect(args: argparse.Namespace) -> int:
     import amp_fx
@@ -146,6 +165,9 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.out and os.path.splitext(args.out)[1].lower() not in _DRAW_EXTENSIONS:
         raise CliError(f"--out {args.out!r}: amp_fx draws .svg, .html or .dot files (a .png needs Graphviz: "
                        f"write graph.dot, then run `dot -Tpng graph.dot -o graph.png`)")
+    for flag, path in (("--out", args.out), ("--json", args.json)):
+        if path:
+            check_writable(flag, path)
     model, inputs = _build_model(args)
     policy = None
     if args.policy:
@@ -183,7 +205,11 @@ def _tables(args: argparse.Namespace) -> int:
         spelled = args.op if name == args.op else f"{args.op} ({name})"
         category = tables.table_of(name)
         if category == "unknown":
-            print(f"{spelled}: in no table -- it follows its input and is counted as unknown in the report")
+            known = sorted(set().union(*everything.values()))
+            # "aten.softmax.int" reads as op "int": a dotted part that names a known op is the likelier meaning.
+            meant = [part for part in args.op.split(".") if part in known] or [name]
+            hint = did_you_mean(meant, known)
+            print(f"{spelled}: in no table -- it follows its input and is counted as unknown in the report.{hint}")
         else:
             print(f"{spelled}: {category} -- {everything[category][name]}")
         return 0

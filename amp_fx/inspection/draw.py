@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from amp_fx.core.cast_costs import cast_bytes
 from amp_fx.core.meta import float_dtype
+from amp_fx.errors import AmpRuntimeError, AmpTypeError, AmpValueError
 
 __all__ = ["draw", "dot_source", "builtin_svg", "category", "COLOURS"]
 
@@ -140,7 +141,7 @@ def dot_source(converted: fx.GraphModule) -> str:
 def _graphviz_svg(source: str, dot: str) -> str:
     done = subprocess.run([dot, "-Tsvg"], input=source, capture_output=True, text=True, timeout=120)
     if done.returncode != 0 or "<svg" not in done.stdout:
-        raise RuntimeError(f"Graphviz dot failed (exit {done.returncode}): {done.stderr.strip()[:500]}")
+        raise AmpRuntimeError(f"Graphviz dot failed (exit {done.returncode}): {done.stderr.strip()[:500]}")
     # Drop the XML prolog and DOCTYPE so the SVG can be inlined in HTML too.
     return done.stdout[done.stdout.index("<svg"):]
 
@@ -253,18 +254,18 @@ def draw(converted: fx.GraphModule, path: str, *, engine: str = "auto", title: O
     text) is printed above the picture in HTML.
     """
     if not isinstance(converted, fx.GraphModule):
-        raise TypeError(f"draw expects the converted GraphModule, got {type(converted).__name__}")
+        raise AmpTypeError(f"draw expects the converted GraphModule, got {type(converted).__name__}")
     extension = os.path.splitext(path)[1].lower()
     if extension not in (".svg", ".html", ".htm", ".dot", ".gv"):
-        raise ValueError(f"draw writes .svg, .html or .dot files, not {extension or 'a path without extension'!r}")
+        raise AmpValueError(f"draw writes .svg, .html or .dot files, not {extension or 'a path without extension'!r}")
     if engine not in ("auto", "graphviz", "builtin"):
-        raise ValueError(f"engine must be 'auto', 'graphviz' or 'builtin', got {engine!r}")
+        raise AmpValueError(f"engine must be 'auto', 'graphviz' or 'builtin', got {engine!r}")
     if extension in (".dot", ".gv"):
         content = dot_source(converted)
     else:
         dot = shutil.which("dot") if engine != "builtin" else None
         if engine == "graphviz" and dot is None:
-            raise RuntimeError("engine='graphviz' but Graphviz 'dot' is not on PATH; use engine='auto' for the built-in layout")
+            raise AmpRuntimeError("engine='graphviz' but Graphviz 'dot' is not on PATH; use engine='auto' for the built-in layout")
         svg = _graphviz_svg(dot_source(converted), dot) if dot else builtin_svg(converted)
         if extension == ".svg":
             content = svg

@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from amp_fx.core.cast_nodes import cast_target, is_inserted_cast
 from amp_fx.core.outer_autocast import no_outer_autocast
+from amp_fx.errors import AmpTypeError, AmpValueError
 
 __all__ = ["find_overflow", "diagnose_collapse", "OverflowReport", "ReproStep", "TwinRun", "pin_override", "pin_targets", "plain_containers", "LOW_DTYPES"]
 
@@ -208,7 +209,7 @@ class TwinRun:
 
 def _require_converted(gm: Any) -> None:
     if not isinstance(gm, fx.GraphModule) or not any("amp_fx.decision" in n.meta for n in gm.graph.nodes):
-        raise TypeError(
+        raise AmpTypeError(
             f"expected the module amp_fx.convert returned (a GraphModule with amp_fx annotations), got {type(gm).__name__}. "
             "Convert the model first: converted = amp_fx.convert(model, 'O1', dtype=torch.float16)."
         )
@@ -306,7 +307,7 @@ def default_loss(output: Any, target: Any = None) -> torch.Tensor:
     """Cross-entropy for an integer target, MSE for a floating one, the sum of the outputs without one."""
     tensors = float_tensors(output)
     if not tensors:
-        raise ValueError("the model returned no floating tensor to take a loss of; pass loss_fn=")
+        raise AmpValueError("the model returned no floating tensor to take a loss of; pass loss_fn=")
     if target is None:
         return sum(t.float().sum() for t in tensors)
     if isinstance(target, torch.Tensor) and not target.is_floating_point():
@@ -398,9 +399,9 @@ def diagnose_collapse(reproduce: Callable[[], Union[ReproStep, tuple]], *, loss_
     step = reproduce()
     if not isinstance(step, ReproStep):
         if not isinstance(step, tuple) or not 2 <= len(step) <= 4:
-            raise TypeError("reproduce() must return amp_fx.inspection.find_overflow.ReproStep or (module, inputs[, target[, loss_fn]])")
+            raise AmpTypeError("reproduce() must return amp_fx.inspection.find_overflow.ReproStep or (module, inputs[, target[, loss_fn]])")
         step = ReproStep(*step)
     inputs = step.inputs if isinstance(step.inputs, (tuple, list)) else (step.inputs,)
     if not math.isfinite(loss_scale) or loss_scale <= 0:
-        raise ValueError(f"loss_scale must be a positive finite number, got {loss_scale!r}")
+        raise AmpValueError(f"loss_scale must be a positive finite number, got {loss_scale!r}")
     return find_overflow(step.module, *inputs, target=step.target, loss_fn=step.loss_fn, backward=True, loss_scale=loss_scale)

@@ -22,6 +22,7 @@ from amp_fx.core.cast_nodes import is_inserted_cast
 from amp_fx.inspection.find_overflow import plain_containers
 from amp_fx.core.report import ConversionReport, build_report
 from amp_fx.passes.propagate_meta import eval_mode
+from amp_fx.errors import AmpTypeError
 
 __all__ = ["summary", "Summary"]
 
@@ -214,7 +215,7 @@ def summary(converted: Union[fx.GraphModule, ConversionReport], example_inputs: 
         gm = converted
         report = getattr(gm, "amp_report", None) or build_report(gm, level="?", dtype=None, route="?", passes={})
     else:
-        raise TypeError(f"summary expects a converted module or its ConversionReport, got {type(converted).__name__}")
+        raise AmpTypeError(f"summary expects a converted module or its ConversionReport, got {type(converted).__name__}")
     totals = report.totals()
     out = Summary(
         level=report.level, dtype=report.dtype,

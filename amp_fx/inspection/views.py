@@ -20,6 +20,7 @@ from amp_fx.inspection.draw import draw
 from amp_fx.core.cast_costs import cast_bytes
 from amp_fx.core.meta import float_dtype
 from amp_fx.inspection.summary import Summary, summary
+from amp_fx.errors import AmpTypeError
 
 __all__ = ["diff", "to_networkx", "draw", "summary", "Summary", "CAST_MARK", "inserted_lines"]
 
@@ -68,7 +69,7 @@ def _before_module(model_or_gm: Union[nn.Module, fx.GraphModule], example_inputs
     if isinstance(model_or_gm, fx.GraphModule):
         return model_or_gm
     if not isinstance(model_or_gm, nn.Module):
-        raise TypeError(f"diff expects the original nn.Module or its GraphModule, got {type(model_or_gm).__name__}")
+        raise AmpTypeError(f"diff expects the original nn.Module or its GraphModule, got {type(model_or_gm).__name__}")
     from amp_fx.frontend.tracing import trace_model
 
     gm, _ = trace_model(model_or_gm, example_inputs=tuple(example_inputs) if example_inputs is not None else None)

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from amp_fx.errors import AmpRuntimeError, AmpTypeError, AmpValueError
+
 __all__ = [
     "convert_for_sharding", "init_optimizer_state", "is_dtensor", "local_tensor", "reduce_found_inf",
     "reduce_over_ranks", "refuse_replaced_params", "shard_like",
@@ -67,7 +69,7 @@ def refuse_replaced_params(module: nn.Module, params: dict[str, torch.Tensor]) -
         except AttributeError:
             continue
         if current is not param and is_dtensor(current):
-            raise RuntimeError(
+            raise AmpRuntimeError(
                 f"the module's parameter {name!r} was replaced by a DTensor shard after "
                 "MasterWeightOptimizer was built (fully_shard after amp_fx.initialize or after "
                 "MasterWeightOptimizer), so the masters would never reach the module. Shard first, "
@@ -115,7 +117,7 @@ def _block_names(model: nn.Module, blocks: Union[type, Sequence[Union[type, str]
     names = [n for n, _ in model.named_modules()]
     for spec in specs:
         if isinstance(spec, str) and spec not in names:
-            raise ValueError(f"convert_for_sharding: blocks names {spec!r}, which the model does not have")
+            raise AmpValueError(f"convert_for_sharding: blocks names {spec!r}, which the model does not have")
     chosen: list[str] = []
     for name, module in model.named_modules():
         if not name or any(name.startswith(c + ".") for c in chosen):
@@ -123,7 +125,7 @@ def _block_names(model: nn.Module, blocks: Union[type, Sequence[Union[type, str]
         if any(spec == name if isinstance(spec, str) else isinstance(module, spec) for spec in specs):
             chosen.append(name)
     if not chosen:
-        raise ValueError(
+        raise AmpValueError(
             f"convert_for_sharding: no submodule matches blocks={blocks!r}; pass the block class "
             "(e.g. GPT2Block) or the blocks' names (e.g. ['layers.0', 'layers.1'])"
         )
@@ -173,7 +175,7 @@ def _drop_specialised_kwargs(block: nn.Module, recorded: dict) -> None:
     def call(*args: Any, **kwargs: Any) -> Any:
         changed = [k for k in kwargs if k not in accepted and not same(k, kwargs[k])]
         if changed:
-            raise TypeError(
+            raise AmpTypeError(
                 f"{type(block).__name__} was converted (torch.export) with {changed} at other values "
                 "and specialised on them; convert again with example inputs like these"
             )
@@ -240,7 +242,7 @@ def _call_blocks_as_modules(gm: fx.GraphModule, names: list[str]) -> None:
     for node in gm.graph.nodes:
         owner = node.target.rpartition(".")[0] if node.op == "get_attr" else None
         if owner is not None and any(owner == b or owner.startswith(b + ".") for b in names):
-            raise RuntimeError(
+            raise AmpRuntimeError(
                 f"convert_for_sharding: the converted model still reads {node.target!r} outside its "
                 "block's forward, so FSDP2 would see it sharded; pass the enclosing module as the block"
             )
@@ -263,7 +265,7 @@ def _refuse_fsdp_param_dtype(module: nn.Module, args: Any) -> None:
         return
     held = {dtype for dtype in getattr(module, "_amp_fx_param_dtypes", ())}
     if held and held != {wanted}:
-        raise ValueError(
+        raise AmpValueError(
             f"fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype={wanted})) on a module "
             f"amp_fx converted (its parameters are {sorted(map(str, held))}): FSDP2 would cast every "
             "parameter and input to that dtype before amp_fx's graph runs, so the ops amp_fx keeps in "
@@ -285,7 +287,7 @@ def _check_uniform_dtypes(root: nn.Module, names: list[str]) -> None:
         if isinstance(group, nn.Module):
             group._amp_fx_param_dtypes = dtypes  # read by _refuse_fsdp_param_dtype
         if len(dtypes) > 1:
-            raise ValueError(
+            raise AmpValueError(
                 f"convert_for_sharding: {name} holds parameters of dtypes {sorted(map(str, dtypes))}, and "
                 "fully_shard needs one dtype per sharded module. At O2 the norms keep fp32 parameters; "
                 "pass keep_batchnorm_fp32=False (their fp32 masters still take the updates), or shard "
@@ -333,7 +335,7 @@ def convert_for_sharding(
     fp32_blocks = {f"module:{name}": "fp32" for name in names}
     policy = convert_kwargs.pop("policy", None)
     if policy is not None:
-        raise ValueError(
+        raise AmpValueError(
             "convert_for_sharding does not take policy= yet: the blocks' own fp32 policy entries "
             "would have to be merged with yours; convert the blocks yourself with amp_fx.convert"
         )
@@ -341,7 +343,7 @@ def convert_for_sharding(
         root = convert(model, level, example_inputs=example_inputs, example_kwarg_inputs=example_kwarg_inputs,
                        leaf_modules=names, policy=fp32_blocks, **convert_kwargs)
         if not _calls_blocks(root, names):
-            raise ValueError(
+            raise AmpValueError(
                 "convert_for_sharding: the model was traced by torch.export, which inlines the blocks "
                 "instead of calling them, so FSDP2 could not gather their parameters. Pass "
                 "convert_root=False: the blocks are converted and the rest of the model runs as written "

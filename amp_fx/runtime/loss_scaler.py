@@ -42,6 +42,7 @@ from .scaler_options import NO_GRADS_FIX, NO_SCALING_DTYPES, PROMOTED_TO_FP32
 from .scaler_options import Default as _Default
 from .scaler_options import parse_scaler_dtype
 from .scaler_state import LossScalerStateError, ScalerStateMixin, _fp32
+from amp_fx.errors import AmpRuntimeError, AmpValueError, checks_keywords
 
 __all__ = ["LossScaler", "LossScaleCollapseError", "LossScalerStateError"]
 
@@ -91,6 +92,7 @@ class LossScaler(ScalerStateMixin):
             :meth:`state_dict`, and a state saved for another level is refused.
     """
 
+    @checks_keywords("amp_fx.LossScaler")
     def __init__(
         self,
         init_scale: float = _Default(2.0**16),  # type: ignore[assignment]
@@ -127,30 +129,30 @@ class LossScaler(ScalerStateMixin):
         self._skip_nonfinite = skip_nonfinite
         if self._scaling:
             if not (init_scale > 0 and math.isfinite(init_scale)):
-                raise ValueError(f"init_scale must be a positive finite number, got {init_scale}")
+                raise AmpValueError(f"init_scale must be a positive finite number, got {init_scale}")
             if self._dynamic:
                 if growth_factor <= 1.0:
-                    raise ValueError(f"growth_factor must be > 1.0, got {growth_factor}")
+                    raise AmpValueError(f"growth_factor must be > 1.0, got {growth_factor}")
                 if not 0.0 < backoff_factor < 1.0:
-                    raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+                    raise AmpValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
                 if int(growth_interval) < 1 or int(hysteresis) < 1:
-                    raise ValueError("growth_interval and hysteresis must be >= 1")
+                    raise AmpValueError("growth_interval and hysteresis must be >= 1")
                 if init_scale > max_scale or (min_scale is not None and init_scale < min_scale):
-                    raise ValueError(
+                    raise AmpValueError(
                         f"init_scale {init_scale} is outside [min_scale, max_scale] = "
                         f"[{min_scale}, {max_scale}]"
                     )
         if on_collapse not in ON_COLLAPSE:
-            raise ValueError(f"on_collapse must be one of {ON_COLLAPSE}, got {on_collapse!r}")
+            raise AmpValueError(f"on_collapse must be one of {ON_COLLAPSE}, got {on_collapse!r}")
         if on_collapse == "diagnose" and reproduce is None:
-            raise ValueError(
+            raise AmpValueError(
                 "on_collapse='diagnose' needs reproduce=: a function with no arguments returning "
                 "(converted_module, inputs[, target[, loss_fn]]) for a step that overflows"
             )
         self._on_collapse = on_collapse
         self._reproduce = reproduce
         if log_every < 1:
-            raise ValueError(f"log_every must be >= 1, got {log_every}")
+            raise AmpValueError(f"log_every must be >= 1, got {log_every}")
         self._init_scale = _fp32(float(init_scale))
         self._loss_scale = self._init_scale
         self._growth_factor = float(growth_factor)
@@ -198,7 +200,7 @@ class LossScaler(ScalerStateMixin):
         if isinstance(val, abc.Iterable) and not isinstance(val, (str, bytes)):
             scaled = map(self._apply_scale, val)
             return type(val)(scaled) if isinstance(val, (list, tuple)) else scaled
-        raise ValueError(f"scale() takes a Tensor or an iterable of Tensors, got {type(val).__name__}")
+        raise AmpValueError(f"scale() takes a Tensor or an iterable of Tensors, got {type(val).__name__}")
 
     # ---------------------------------------------------------------- unscale
     def _state(self, optimizer: Any) -> dict[str, Any]:
@@ -217,14 +219,14 @@ class LossScaler(ScalerStateMixin):
         state = self._state(optimizer)
         if self._scaling:
             if state["stage"] is _Stage.UNSCALED:
-                raise RuntimeError(
+                raise AmpRuntimeError(
                     "unscale_() has already been called on this optimizer since the last "
                     "update(); unscaling again would divide its gradients by the scale twice. "
                     "Call scaler.unscale_(optimizer) at most once per iteration, after all "
                     "backward passes (scaler.step() does not unscale again)."
                 )
             if state["stage"] is _Stage.STEPPED:
-                raise RuntimeError(
+                raise AmpRuntimeError(
                     "unscale_() was called after step() on this optimizer; call "
                     "scaler.update() to end the iteration first."
                 )
@@ -248,7 +250,7 @@ class LossScaler(ScalerStateMixin):
 
     def _require_scaled(self, what: str) -> None:
         if not self._scaled_since_update:
-            raise RuntimeError(
+            raise AmpRuntimeError(
                 f"scaler.{what}(optimizer) was called, but scaler.scale(loss) was not called "
                 "since the last update(): the gradients are not scaled, and unscaling them "
                 f"would shrink them by {self._loss_scale}. Use scaler.scale(loss).backward() "
@@ -262,7 +264,7 @@ class LossScaler(ScalerStateMixin):
         Returns True when the optimizer stepped, False when the step was skipped.
         """
         if self._scaling and "closure" in kwargs:
-            raise RuntimeError(
+            raise AmpRuntimeError(
                 "closures are not supported while scaling: the closure's backward would "
                 "produce scaled gradients after they were checked. Compute the loss and "
                 "call scaler.scale(loss).backward() before scaler.step(optimizer)."
@@ -288,7 +290,7 @@ class LossScaler(ScalerStateMixin):
         state = self._state(optimizer)
         if state["stage"] is _Stage.STEPPED:
             if self._scaling:
-                raise RuntimeError(
+                raise AmpRuntimeError(
                     "step() has already been called on this optimizer since the last "
                     "update(). Call scaler.update() once per iteration, after "
                     "scaler.step() for every optimizer."
@@ -301,7 +303,7 @@ class LossScaler(ScalerStateMixin):
         total = combined_found_inf(state["found_inf"])
         if total is None:
             if self._scaling:
-                raise RuntimeError(
+                raise AmpRuntimeError(
                     "No inf checks were recorded for this optimizer: none of its parameters "
                     "has a gradient this iteration. Make sure the loss passed to "
                     "scaler.scale(loss).backward() depends on this optimizer's parameters "
@@ -349,7 +351,7 @@ class LossScaler(ScalerStateMixin):
         optimizer = getattr(scheduler, "optimizer", None)
         taken = self._last_step_taken.get(id(optimizer))
         if taken is None:
-            raise RuntimeError(
+            raise AmpRuntimeError(
                 "step_scheduler(): scaler.step() was never called for this scheduler's "
                 "optimizer; call scaler.step(optimizer) first (build the scheduler over "
                 "the optimizer you pass to scaler.step)."
@@ -375,7 +377,7 @@ class LossScaler(ScalerStateMixin):
         if new_scale is not None:
             if isinstance(new_scale, torch.Tensor):
                 if new_scale.numel() != 1 or new_scale.requires_grad:
-                    raise ValueError("new_scale must be a float or a 1-element tensor without grad")
+                    raise AmpValueError("new_scale must be a float or a 1-element tensor without grad")
                 new_scale = new_scale.item()
             self._loss_scale = _fp32(float(new_scale))
             self._report_skips()
@@ -387,7 +389,7 @@ class LossScaler(ScalerStateMixin):
             elif state["found_inf"]:  # unscaled but never stepped: read it now
                 verdicts.append(bool(combined_found_inf(state["found_inf"]).item()))
         if not verdicts:
-            raise RuntimeError(
+            raise AmpRuntimeError(
                 "No inf checks were recorded prior to update(): call scaler.step(optimizer) "
                 "(or scaler.unscale_(optimizer)) for each optimizer before scaler.update()"
                 + ("." if scaled else ", and scale the loss with scaler.scale(loss).")

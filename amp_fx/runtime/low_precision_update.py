@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from amp_fx.errors import AmpTypeError, AmpValueError
+
 __all__ = [
     "COMPENSATION_DTYPE",
     "stochastic_round",
@@ -42,9 +44,9 @@ _FP16_GRID = (10, -24)
 
 def _check(x: torch.Tensor, dtype: torch.dtype) -> None:
     if x.dtype != torch.float32:
-        raise TypeError(f"rounding into {dtype} takes a float32 tensor, got {x.dtype}")
+        raise AmpTypeError(f"rounding into {dtype} takes a float32 tensor, got {x.dtype}")
     if dtype not in _LOW:
-        raise TypeError(f"can only round into float16 or bfloat16, got {dtype}")
+        raise AmpTypeError(f"can only round into float16 or bfloat16, got {dtype}")
 
 
 def random_uint16(numel: int, generator: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -85,7 +87,7 @@ def stochastic_round(
     """
     _check(x, dtype)
     if out is not None and (out.dtype != dtype or out.shape != x.shape):
-        raise ValueError(f"out must be {dtype} of shape {tuple(x.shape)}, got {out.dtype} {tuple(out.shape)}")
+        raise AmpValueError(f"out must be {dtype} of shape {tuple(x.shape)}, got {out.dtype} {tuple(out.shape)}")
     with torch.no_grad():
         if dtype == torch.bfloat16:
             return _stochastic_round_bf16(x if inplace else x.clone(), out, generator)
@@ -152,7 +154,7 @@ def split_compensated(
     """
     _check(x, low.dtype)
     if compensation.dtype != COMPENSATION_DTYPE or compensation.shape != x.shape or low.shape != x.shape:
-        raise ValueError("low and compensation must have x's shape, compensation of dtype int16")
+        raise AmpValueError("low and compensation must have x's shape, compensation of dtype int16")
     with torch.no_grad():
         if low.dtype == torch.bfloat16:
             x = x.contiguous() if inplace else x.clone()
@@ -175,7 +177,7 @@ def split_compensated(
 def merge_compensated(low: torch.Tensor, compensation: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Return the float32 value ``low + compensation`` that :func:`split_compensated` stored."""
     if low.dtype not in _LOW or compensation.dtype != COMPENSATION_DTYPE:
-        raise TypeError(f"expected a bf16/fp16 tensor and an int16 compensation, got {low.dtype}, {compensation.dtype}")
+        raise AmpTypeError(f"expected a bf16/fp16 tensor and an int16 compensation, got {low.dtype}, {compensation.dtype}")
     with torch.no_grad():
         if low.dtype == torch.bfloat16:
             # The upcast is the top half of the bits; the remainder fills the low half.

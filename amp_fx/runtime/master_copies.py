@@ -17,6 +17,7 @@ from typing import Iterable
 import torch
 
 from .distributed import is_dtensor, local_tensor
+from amp_fx.errors import AmpNotImplementedError
 
 __all__ = ["CopyGroup", "group_pairs"]
 
@@ -56,7 +57,7 @@ class CopyGroup:
             if not grads:
                 return
         if any(g.is_sparse for g in grads):
-            raise NotImplementedError(
+            raise AmpNotImplementedError(
                 "MasterWeightOptimizer does not support sparse gradients; use dense ones "
                 "(e.g. nn.Embedding(sparse=False))"
             )

@@ -55,6 +55,7 @@ from .distributed import is_dtensor, local_tensor, refuse_replaced_params, shard
 from .master_copies import CopyGroup, group_pairs
 from .modules import unwrap_compiled
 from .step_impl import prefer_fast_step
+from amp_fx.errors import AmpKeyError, AmpValueError
 
 __all__ = ["MasterWeightOptimizer"]
 
@@ -66,7 +67,7 @@ def _check_module(module: nn.Module) -> None:
     config = getattr(module, "amp_config", None)
     if isinstance(config, AmpConfig):
         if not config.cast_params:
-            raise ValueError(
+            raise AmpValueError(
                 f"MasterWeightOptimizer got a module converted at {config.level}: at O0/O1 the converted "
                 "module shares the model's fp32 parameters and casts them in the graph, so there are no "
                 "low-precision parameters to keep masters of. Step a plain optimizer over "
@@ -74,7 +75,7 @@ def _check_module(module: nn.Module) -> None:
             )
         return
     if not any(p.dtype in _LOW for p in module.parameters()):
-        raise ValueError(
+        raise AmpValueError(
             f"MasterWeightOptimizer got a {type(module).__name__} with no float16/bfloat16 parameters, "
             "so there is nothing to keep fp32 masters of. Pass the module amp_fx.convert(model, 'O2') "
             "returned (its parameters are low-precision copies): "
@@ -137,7 +138,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         for name, master in self._given.items():
             param = self._params.get(name)
             if param is not None and (master.shape != param.shape or master.dtype in _LOW):
-                raise ValueError(
+                raise AmpValueError(
                     f"master for {name!r} must be a full-precision tensor of shape "
                     f"{tuple(param.shape)}, got {master.dtype} {tuple(master.shape)}"
                 )
@@ -152,7 +153,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
             n for n, p in self._params.items() if p.requires_grad and n not in self._masters
         ]
         if missing:
-            raise ValueError(
+            raise AmpValueError(
                 f"module parameters {missing} are in no param group of the optimizer, so "
                 "they would never be updated; build the optimizer over all of the module's "
                 "(or the masters') parameters, add them with add_param_group(), or set "
@@ -180,7 +181,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
             if name is None and adopt:
                 return self._adopt(param)
             if name is None:
-                raise ValueError(
+                raise AmpValueError(
                     "optimizer does not own the model's parameters: it holds a tensor of "
                     f"shape {tuple(param.shape)} and dtype {param.dtype} that is neither a "
                     "parameter of the module nor one of its fp32 masters. Build the optimizer "
@@ -218,7 +219,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
             name, module_param, master = f"added.{self._added}", param, None
             self._added += 1
         if name in self._params and self._params[name] is not module_param:
-            raise ValueError(f"add_param_group: a parameter named {name!r} is already optimized")
+            raise AmpValueError(f"add_param_group: a parameter named {name!r} is already optimized")
         self._params[name] = module_param
         self._names[id(module_param)] = name
         if master is not None and master is not module_param:
@@ -351,7 +352,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         missing = sorted(set(self._masters) - set(saved))
         unexpected = sorted(set(saved) - set(self._masters))
         if missing or unexpected:
-            raise KeyError(
+            raise AmpKeyError(
                 f"master weights in the state do not match this model: missing {missing}, "
                 f"unexpected {unexpected}; rebuild the model and optimizer as when saving."
             )

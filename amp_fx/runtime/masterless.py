@@ -47,6 +47,7 @@ from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer
 from .low_precision_update import COMPENSATION_DTYPE, merge_compensated, split_compensated, stochastic_round
 from .modules import unwrap_compiled
 from .training_memory import MemoryReport, measure_training_memory
+from amp_fx.errors import AmpKeyError, AmpNotImplementedError, AmpTypeError, AmpValueError
 
 __all__ = ["LowPrecisionOptimizer", "UPDATES"]
 
@@ -61,13 +62,13 @@ def _check_module(module: nn.Module) -> None:
     """Refuse modules with no low-precision parameters: nothing would be trained without masters."""
     config = getattr(module, "amp_config", None)
     if isinstance(config, AmpConfig) and not config.cast_params:
-        raise ValueError(
+        raise AmpValueError(
             f"LowPrecisionOptimizer got a module converted at {config.level}: its parameters are the "
             "model's fp32 ones, cast in the graph, so there is nothing to train without masters. "
             "Convert at O3 (amp_fx.convert(model, 'O3')) and build the optimizer over its parameters."
         )
     if not any(p.dtype in _LOW for p in module.parameters()):
-        raise ValueError(
+        raise AmpValueError(
             f"LowPrecisionOptimizer got a {type(module).__name__} with no float16/bfloat16 parameters, so "
             "there is nothing to train without masters; pass the module amp_fx.convert(model, 'O3') returned."
         )
@@ -113,15 +114,15 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         chunk_numel: int | None = 2**24,
     ) -> None:
         if update not in UPDATES:
-            raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
+            raise AmpValueError(f"update must be one of {UPDATES}, got {update!r}")
         if state_dtype not in (None, torch.float32, torch.bfloat16):
             hint = (" float16 state underflows Adam's second moment (grad**2 below 6e-8 becomes 0);"
                     if state_dtype == torch.float16 else "")
-            raise ValueError(f"state_dtype must be None, torch.float32 or torch.bfloat16, got {state_dtype}.{hint}")
+            raise AmpValueError(f"state_dtype must be None, torch.float32 or torch.bfloat16, got {state_dtype}.{hint}")
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise AmpTypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, torch.optim.LBFGS):
-            raise TypeError(
+            raise AmpTypeError(
                 "LowPrecisionOptimizer cannot wrap LBFGS: its step re-evaluates the model through the "
                 "closure while the parameters are float32 scratch, and it couples all parameters. "
                 "Use a per-parameter optimizer (SGD, Adam, AdamW), or MasterWeightOptimizer at O2."
@@ -129,7 +130,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         module = unwrap_compiled(module)
         _check_module(module)
         if chunk_numel is not None and chunk_numel < 1:
-            raise ValueError(f"chunk_numel must be >= 1 or None, got {chunk_numel}")
+            raise AmpValueError(f"chunk_numel must be >= 1 or None, got {chunk_numel}")
         self.optimizer = optimizer
         self.module = module
         self.update = update
@@ -148,7 +149,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
         missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in stepped]
         if missing:
-            raise ValueError(
+            raise AmpValueError(
                 f"module parameters {missing} are in no param group of the optimizer, so they would "
                 "never be updated; build the optimizer over all of the module's parameters, add them "
                 "with add_param_group(), or set requires_grad=False on them."
@@ -159,7 +160,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
         for p in params:
             name = self._names.get(id(p))
             if name is None:
-                raise ValueError(
+                raise AmpValueError(
                     "optimizer does not own the module's parameters: it holds a tensor of shape "
                     f"{tuple(p.shape)} and dtype {p.dtype} that is not a parameter of the module. "
                     "Build the optimizer over the converted module's parameters "
@@ -262,7 +263,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
                 if p.grad is None:
                     continue  # the optimizer skips it too
                 if p.grad.is_sparse:
-                    raise NotImplementedError("LowPrecisionOptimizer does not support sparse gradients")
+                    raise AmpNotImplementedError("LowPrecisionOptimizer does not support sparse gradients")
                 staged.append((p, p.data, p.grad))
                 if p.dtype in _LOW:
                     scratch, grad = self._upcast_param(p), p.grad.float()
@@ -347,14 +348,14 @@ class LowPrecisionOptimizer(WrappedOptimizer):
             self.optimizer.load_state_dict(state_dict)
             return
         if state_dict["update"] != self.update:
-            raise ValueError(
+            raise AmpValueError(
                 f"this state was saved with update={state_dict['update']!r}, but this optimizer uses "
                 f"update={self.update!r}; resuming would drop or invent rounding state. Build the "
                 f"LowPrecisionOptimizer with update={state_dict['update']!r}."
             )
         saved = state_dict["compensation"]
         if set(saved) != set(self._compensation):
-            raise KeyError(
+            raise AmpKeyError(
                 f"compensation buffers in the state do not match this model: missing "
                 f"{sorted(set(self._compensation) - set(saved))}, unexpected "
                 f"{sorted(set(saved) - set(self._compensation))}; rebuild the model and optimizer as when saving."

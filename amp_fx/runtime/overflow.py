@@ -17,6 +17,7 @@ from typing import Iterable
 import torch
 
 from .distributed import local_tensor
+from amp_fx.errors import AmpNotImplementedError, AmpTypeError
 
 __all__ = ["check_and_unscale_", "grads_of", "combined_found_inf"]
 
@@ -33,13 +34,13 @@ def grads_of(param_groups: Iterable[dict]) -> list[torch.Tensor]:
                 # Sparse grads would need coalescing before a trustworthy inf check
                 # (duplicate indices can overflow only once summed); nobody in the
                 # mixed-precision path produces them, so refuse rather than guess.
-                raise NotImplementedError(
+                raise AmpNotImplementedError(
                     "amp_fx.runtime.LossScaler does not support sparse gradients "
                     f"(parameter of shape {tuple(param.shape)}); use dense gradients "
                     "(e.g. nn.Embedding(sparse=False)) or torch.amp.GradScaler."
                 )
             if not grad.is_floating_point():
-                raise TypeError(
+                raise AmpTypeError(
                     f"gradient of dtype {grad.dtype} cannot be checked for inf/NaN"
                 )
             grads.append(grad)

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from amp_fx.core.config import parse_dtype
+from amp_fx.errors import AmpValueError
 
 __all__ = ["Default", "parse_scaler_dtype", "NO_SCALING_DTYPES", "PROMOTED_TO_FP32", "NO_GRADS_FIX"]
 
@@ -43,7 +44,7 @@ def parse_scaler_dtype(dtype: Any) -> torch.dtype | None:
     try:
         return parse_dtype(dtype)
     except ValueError:
-        raise ValueError(
+        raise AmpValueError(
             f"dtype must be torch.float16, torch.bfloat16, torch.float32 or None (or one of the strings "
             f"'fp16', 'half', 'float16', 'bf16', 'bfloat16', 'fp32', 'float32'), got {dtype!r}"
         ) from None

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from typing import Any
 
-from amp_fx.errors import AmpError
+from amp_fx.errors import AmpError, AmpTypeError, AmpValueError
 
 __all__ = ["LossScalerStateError", "ScalerStateMixin"]
+
+# The keys :meth:`ScalerStateMixin.state_dict` writes; GradScaler writes the first five.
+STATE_KEYS = (
+    "scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker", "_hysteresis_tracker",
+    "hysteresis", "max_scale", "min_scale", "skipped_steps", "dynamic", "enabled", "level",
+)
 
 
 class LossScalerStateError(AmpError, RuntimeError):
@@ -21,6 +28,24 @@ def _fp32(x: float) -> float:
     # GradScaler keeps its scale in a float32 tensor; rounding the same way keeps
     # our scale sequence bit-identical to it for any growth/backoff factor.
     return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _check_state_keys(state_dict: Any, *, scaling: bool) -> None:
+    """Refuse a state that no LossScaler or GradScaler wrote, naming the missing and unknown keys."""
+    if not isinstance(state_dict, Mapping):
+        raise AmpTypeError(
+            f"LossScaler.load_state_dict takes the dict LossScaler.state_dict() (or GradScaler.state_dict()) "
+            f"returned, got {type(state_dict).__name__}"
+        )
+    unknown = sorted(map(str, set(state_dict) - set(STATE_KEYS)))
+    # An empty dict is a disabled GradScaler's state; the enabled check below deals with it.
+    missing = ["scale"] if scaling and state_dict and "scale" not in state_dict else []
+    if unknown or missing:
+        raise AmpValueError(
+            f"this is not a loss scaler state: missing keys {missing}, unknown keys {unknown}. Load the dict "
+            "that LossScaler.state_dict() (or torch.amp.GradScaler.state_dict()) returned, e.g. "
+            "checkpoint['scaler'] saved as scaler.state_dict(), not the whole checkpoint or another object's state."
+        )
 
 
 class ScalerStateMixin:
@@ -116,6 +141,7 @@ class ScalerStateMixin:
         for another level, with scaling on/off where this one differs, or
         dynamic where this one is static (or the reverse).
         """
+        _check_state_keys(state_dict, scaling=self._scaling)
         if len(state_dict) == 0:
             if self._scaling:
                 raise LossScalerStateError(
