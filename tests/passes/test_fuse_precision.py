@@ -85,8 +85,11 @@ def _ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> float:
     return ((got.double() - want.double()).abs().max() / (want.double().abs().max() * torch.finfo(dtype).eps)).item()
 
 
-@pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("norm", FORMS)
+# Affine layer_norm fuses in bf16 only (fp16 keeps the cast form: test_fp16_affine_layer_norm_keeps_the_cast_form).
+FORM_DTYPES = [(norm, dtype) for norm in FORMS for dtype in LOW if not (norm == "layer_norm_affine" and dtype == torch.float16)]
+
+
+@pytest.mark.parametrize("norm,dtype", FORM_DTYPES, ids=[f"{n}-{d}" for n, d in FORM_DTYPES])
 def test_fused_form_equals_the_cast_form_forward_and_backward(norm, dtype):
     """Through convert(): output and input gradient within 1 low ulp of the cast form; weight and bias gradients as fp32's."""
     model = NormBetween(norm)
@@ -235,8 +238,16 @@ def _ln_pair(bias: bool, dtype: torch.dtype, c: int = 16, seed: int = 0):
     return fused, cast, x
 
 
+def test_fp16_affine_layer_norm_keeps_the_cast_form():
+    """In fp16 CPU's mixed forward differs from the cast form in ~1e-4 of its outputs (1 ulp), enough for a
+    200-step fp16 run to drift 1.7% from autocast (examples/train_vs_autocast.py, digits): no fused form there."""
+    fused, cast, x = _ln_pair(True, torch.float16)
+    assert not _norm_node(fused).meta.get("amp_fx.fused") and _norm_node(fused).target is not layer_norm_fp32_stats
+    assert torch.equal(fused(x), cast(x))
+
+
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
-@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
 def test_affine_layer_norm_fused_and_as_precise_as_the_cast_form(dtype, bias):
     """Output within 1 low ulp of the cast form; LN weight/bias gradients as fp32's (1e-5, not CPU's mixed ~1%);
     input and upstream Linear gradients within 1 low ulp."""
