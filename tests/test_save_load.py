@@ -227,3 +227,31 @@ def test_o2_load_state_dict_reaches_the_masters_so_the_next_step_keeps_it():
     moved = (model[0].weight - checkpoint["0.weight"]).abs().max().item()
     assert 0 < moved < 1e-2  # one small step from the checkpoint, not back to the old weights
     assert (gm.get_parameter("0.weight").float() - checkpoint["0.weight"]).abs().max().item() < 1e-2
+
+
+def test_o2_state_dict_holds_the_exact_masters_after_master_weight_steps():
+    """After MasterWeightOptimizer steps, gm.state_dict() is the fp32 masters bit for bit, not the low copies widened."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    gm = amp_fx.convert(model, "O2")
+    optimizer = amp_fx.MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), gm)
+    for _ in range(3):
+        gm(torch.randn(4, 8)).float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state = gm.state_dict()
+    assert state.keys() == model.state_dict().keys()
+    for key, master in model.state_dict().items():
+        assert state[key].dtype == torch.float32 and torch.equal(state[key], master), key
+    assert not torch.equal(model[0].weight, model[0].weight.bfloat16().float())  # the masters carry more than bf16
+
+
+def test_o2_state_dict_of_low_copies_trained_directly_is_them_widened():
+    """A low copy stepped without the masters no longer matches them: its own value is saved, widened."""
+    model = nn.Sequential(nn.Linear(8, 4))
+    gm = amp_fx.convert(model, "O2")
+    with torch.no_grad():
+        gm.get_parameter("0.weight").add_(1.0)
+    state = gm.state_dict()
+    assert torch.equal(state["0.weight"], gm.get_parameter("0.weight").float())
+    assert not torch.equal(state["0.weight"], model[0].weight)

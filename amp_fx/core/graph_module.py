@@ -85,11 +85,22 @@ def _own_modules(gm: nn.Module, root: nn.Module) -> None:
 
 
 def _restore_source_dtypes(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    """state_dict hook: report each low-precision tensor in the dtype the original model had."""
+    """state_dict hook: report each low-precision tensor in the dtype the original model had.
+
+    At O2 that is the fp32 master itself wherever the low copy is the master
+    rounded (what ``MasterWeightOptimizer`` keeps true after every step), so a
+    checkpoint keeps the masters' full precision.  A low copy trained some
+    other way no longer matches its master and is saved widened.
+    """
+    masters = module.__dict__.get("amp_fx_masters") or {}
     for name, dtype in getattr(module, "amp_fx_source_dtypes", {}).items():
         key = prefix + name
-        if key in state_dict and state_dict[key].dtype != dtype:
-            state_dict[key] = state_dict[key].to(dtype)
+        if key not in state_dict or state_dict[key].dtype == dtype:
+            continue
+        low, master = state_dict[key], masters.get(name)
+        in_sync = (master is not None and type(master) in (torch.Tensor, nn.Parameter) and type(low) in (torch.Tensor, nn.Parameter)
+                   and master.dtype == dtype and master.shape == low.shape and torch.equal(master.detach().to(low.dtype), low))
+        state_dict[key] = master.detach() if in_sync else low.to(dtype)
 
 
 def _rebuild(reduce_fn: Any, reduce_args: tuple, class_name: str) -> "AmpGraphModule":
