@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from .collapse import ON_COLLAPSE, LossScaleCollapseError, collapse_error
 from .distributed import reduce_over_ranks
+from .optimizer_checks import warn_if_eps_underflows
 from .overflow import check_and_unscale_, combined_found_inf, grads_of
 from .scaler_options import NO_GRADS_FIX, NO_SCALING_DTYPES, PROMOTED_TO_FP32
 from .scaler_options import Default as _Default
@@ -269,6 +270,7 @@ class LossScaler(ScalerStateMixin):
                 "produce scaled gradients after they were checked. Compute the loss and "
                 "call scaler.scale(loss).backward() before scaler.step(optimizer)."
             )
+        warn_if_eps_underflows(optimizer)
         if not self._begin_step(optimizer):
             return False
         self._stepping = id(optimizer)
