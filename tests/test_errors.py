@@ -295,8 +295,7 @@ def test_check_writable_accepts_a_new_file_in_a_writable_folder_and_leaves_nothi
         check_writable("--out", str(tmp_path / "missing" / "graph.html"))
 
 
-@pytest.mark.parametrize("op, meant", [("softmx", "'softmax'"), ("aten.softmax.int", "'softmax'"),
-                                       ("torch.matmull", "'matmul'")])
+@pytest.mark.parametrize("op, meant", [("softmx", "'softmax'"), ("torch.matmull", "'matmul'")])
 def test_cli_tables_suggests_close_op_names(op, meant, capsys):
     assert cli_main(["tables", "--op", op]) == 0
     line = capsys.readouterr().out
@@ -305,6 +304,8 @@ def test_cli_tables_suggests_close_op_names(op, meant, capsys):
 
 def test_cli_tables_suggests_nothing_for_a_known_op_or_a_far_name(capsys):
     assert cli_main(["tables", "--op", "softmax"]) == 0 and "Did you mean" not in capsys.readouterr().out
+    assert cli_main(["tables", "--op", "aten.softmax.int"]) == 0  # an aten overload is resolved, not guessed
+    assert "(softmax): fp32" in capsys.readouterr().out
     assert cli_main(["tables", "--op", "frobnicate"]) == 0 and "Did you mean" not in capsys.readouterr().out
 
 
@@ -362,3 +363,18 @@ def test_amp_fx_raises_no_bare_builtin_error():
     assert not offenders, ("raise amp_fx.errors.AmpValueError / AmpTypeError / AmpRuntimeError / AmpKeyError / "
                            f"AmpIndexError / AmpNotImplementedError instead of the built-in: {offenders}")
     assert not over, f"files on the allowlist gained bare built-in raises: {over}"
+
+
+def test_config_keys_initialize_properties_and_aten_op_names_get_close_matches():
+    import torch
+
+    import amp_fx
+    from amp_fx.core.op_keys import op_name_of
+
+    with pytest.raises(ValueError, match="Did you mean 'level'"):
+        amp_fx.AmpConfig.from_dict({"levle": "O1"})
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(amp_fx.AmpError, match="Did you mean 'keep_batchnorm_fp32'"):
+        amp_fx.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", keep_batchnorm_fp23=True)
+    assert [op_name_of(s) for s in ("aten.softmax.int", "torch.ops.aten.add_.Tensor", "torch.matmul", "x.softmax_")] == [
+        "softmax", "add", "matmul", "softmax"]

@@ -76,7 +76,9 @@ def fit_optimizer(
     if not cast_params:
         shared = all(module_params[id(p)] is p for g in optimizer.param_groups for p in g["params"])
         if not shared:  # convert() promises O0/O1 modules share the model's parameters
-            raise AmpRuntimeError("internal error: the converted module does not share the model's parameters")
+            raise AmpRuntimeError(
+                "the O0/O1 module does not share the model's parameters (convert() promises it does): this is an "
+                "amp_fx bug; please report it. Meanwhile pass the optimizer the converted module's parameters.")
         return optimizer, OptimizerRecord(optimizer)
     if master_weights:
         params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -18,7 +18,7 @@ import torch
 from amp_fx.core.api import convert
 from amp_fx.core.config import LEVELS, AmpConfig, make_config, parse_dtype
 from amp_fx.runtime import LossScaler
-from amp_fx.errors import AmpTypeError, AmpValueError
+from amp_fx.errors import AmpTypeError, AmpValueError, did_you_mean
 
 __all__ = ["AmpProperties", "resolve_properties", "build_scalers", "APEX_PROPERTIES"]
 
@@ -111,7 +111,8 @@ def resolve_properties(opt_level: str, properties: dict[str, Any]) -> AmpPropert
     unknown = sorted(set(properties) - set(APEX_PROPERTIES) - set(_CONVERT_KEYWORDS))
     if unknown:
         raise AmpTypeError(
-            f"unknown amp_fx.initialize propert{'y' if len(unknown) == 1 else 'ies'} {unknown}. "
+            f"unknown amp_fx.initialize propert{'y' if len(unknown) == 1 else 'ies'} {unknown}."
+            f"{did_you_mean(unknown, [*APEX_PROPERTIES, *_CONVERT_KEYWORDS], n=1)} "
             f"Apex properties: {list(APEX_PROPERTIES)}; other keywords of amp_fx.convert: "
             f"{[k for k in _CONVERT_KEYWORDS if k not in APEX_PROPERTIES]}."
         )

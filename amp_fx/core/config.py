@@ -112,7 +112,8 @@ class AmpConfig:
         data = dict(data)
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise AmpValueError(f"unknown AmpConfig keys {sorted(unknown)}")
+            keys = [f.name for f in dataclasses.fields(cls)]  # (a ValueError, as before: the data is wrong, not a call)
+            raise AmpValueError(str(unknown_options_error(unknown, keys, "AmpConfig.from_dict", kind="key")))
         for key in ("dtype", "cast_model_outputs"):
             if isinstance(data.get(key), str):
                 data[key] = getattr(torch, data[key])

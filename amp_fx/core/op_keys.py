@@ -218,8 +218,11 @@ def _function_name(target: Callable, args: tuple) -> tuple[str, bool]:
 
 
 def op_name_of(spelling: str) -> str:
-    """The canonical name of an op however a user spells it: ``"torch.matmul"``, ``"F.softmax"``, ``"x.softmax_"``, ``"softmax"``."""
-    name, _ = _strip_inplace(spelling.strip().rsplit(".", 1)[-1])
+    """The canonical name of an op however a user spells it: ``"torch.matmul"``, ``"F.softmax"``, ``"x.softmax_"``, ``"aten.softmax.int"``."""
+    parts = spelling.strip().split(".")
+    if len(parts) >= 3 and parts[-3] == "aten":  # an overload: "aten.softmax.int", "torch.ops.aten.add_.Tensor"
+        parts = parts[:-1]
+    name, _ = _strip_inplace(parts[-1])
     return _ATEN_ALIASES.get(name, _PY_ALIASES.get(name, name))
 
 

@@ -196,7 +196,6 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _tables(args: argparse.Namespace) -> int:
     from amp_fx.core import tables
-
     from amp_fx.core.op_keys import op_name_of
 
     everything = tables.all_tables()
@@ -205,10 +204,7 @@ def _tables(args: argparse.Namespace) -> int:
         spelled = args.op if name == args.op else f"{args.op} ({name})"
         category = tables.table_of(name)
         if category == "unknown":
-            known = sorted(set().union(*everything.values()))
-            # "aten.softmax.int" reads as op "int": a dotted part that names a known op is the likelier meaning.
-            meant = [part for part in args.op.split(".") if part in known] or [name]
-            hint = did_you_mean(meant, known)
+            hint = did_you_mean([name], sorted(set().union(*everything.values())))
             print(f"{spelled}: in no table -- it follows its input and is counted as unknown in the report.{hint}")
         else:
             print(f"{spelled}: {category} -- {everything[category][name]}")
