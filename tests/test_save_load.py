@@ -199,8 +199,8 @@ def test_the_torch_export_route_converts_but_its_module_does_not_pickle():
     model, gm, example = _converted("encoder", "O1")
     with pytest.raises((AttributeError, pickle.PicklingError), match="local object"):
         pickle.dumps(torch.export.export(model, example).module())
-    with pytest.raises((AttributeError, pickle.PicklingError), match="local object"):
-        pickle.dumps(gm)
+    with pytest.raises(amp_fx.AmpError, match=r"cannot be pickled.*Save gm.state_dict\(\)"):
+        pickle.dumps(gm)  # refused by amp_fx before torch fails deep inside, with what to save instead
     _assert_same_conversion(copy.deepcopy(gm), gm, example)
     fresh = amp_fx.convert(zoo.Encoder().eval(), "O1", example_inputs=example)
     fresh.load_state_dict(gm.state_dict())

@@ -20,7 +20,7 @@ from amp_fx.core import tables
 from amp_fx.core.config import AmpConfig, make_config
 from amp_fx.core.devices import device_type_of
 from amp_fx.errors import AlreadyConvertedError, AmpTypeError, AmpValueError, checks_keywords, did_you_mean
-from amp_fx.core.graph_module import AmpGraphModule, switching_modes
+from amp_fx.core.graph_module import ROUTE_ATTR, AmpGraphModule, switching_modes
 from amp_fx.core.op_keys import CAST_OPS, canonical_op
 from amp_fx.core.pass_manager import PassContext
 from amp_fx.core.pipeline import rewrite_graph
@@ -229,6 +229,7 @@ def convert(
             result.train(model.training)
     result.amp_report = report
     result.amp_config = config
+    setattr(result, ROUTE_ATTR, route)
     # The casts were placed for the example inputs' floating dtypes: calls with other dtypes are refused.
     examples = {**dict(enumerate(example_inputs or ())), **dict(example_kwarg_inputs or {})}
     result.amp_fx_input_dtypes = {key: value.dtype for key, value in examples.items()

@@ -40,7 +40,8 @@ from amp_fx.errors import AmpTypeError
 __all__ = ["AmpGraphModule", "AMP_ATTRIBUTES", "FrozenTrainingWarning", "switching_modes"]
 
 # Attributes that describe a conversion; carried through deepcopy and pickle.
-AMP_ATTRIBUTES = ("amp_report", "amp_config", "amp_fx_masters", "amp_fx_source_dtypes", "amp_fx_input_dtypes", FROZEN_ATTR)
+ROUTE_ATTR = "amp_fx_route"  # how the model was traced: "symbolic_trace" or "torch.export"
+AMP_ATTRIBUTES = ("amp_report", "amp_config", "amp_fx_masters", "amp_fx_source_dtypes", "amp_fx_input_dtypes", ROUTE_ATTR, FROZEN_ATTR)
 
 
 class FrozenTrainingWarning(UserWarning):
@@ -223,5 +224,10 @@ class AmpGraphModule(fx.GraphModule):
         return result
 
     def __reduce__(self) -> tuple:
+        if self.__dict__.get(ROUTE_ATTR) == "torch.export":
+            raise AmpTypeError(
+                "a module converted on the torch.export route cannot be pickled: torch.export's graph holds "
+                "local functions. Save gm.state_dict() (it loads into the original model, or into a new "
+                "amp_fx.convert() of it), or gm.save_pretrained(path) for a Hugging Face model.")
         reduce_fn, reduce_args = super().__reduce__()
         return (_rebuild, (reduce_fn, reduce_args, type(self).__name__))
