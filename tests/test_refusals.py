@@ -294,3 +294,13 @@ def test_a_flag_that_is_not_a_bool_is_refused():
 def test_a_bare_tensor_as_example_inputs_is_refused_before_tracing():
     with pytest.raises(TypeError, match=r"write example_inputs=\(x,\)"):
         amp_fx.convert(nn.Conv2d(3, 4, 3), "O1", example_inputs=torch.randn(1, 3, 8, 8))
+
+
+def test_example_inputs_the_model_rejects_are_refused_naming_the_node_and_shapes(capfd):
+    """A shape the model cannot take is the user's mistake, not an unknown op: an error before any rewrite, and no torch log noise."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+    with pytest.raises(amp_fx.AmpError, match=r"example inputs do not fit the model: linear .*\(8, 15\)") as caught:
+        amp_fx.convert(model, "O1", example_inputs=(torch.randn(8, 15),))
+    assert isinstance(caught.value, ValueError)
+    assert "failed while attempting to run meta" not in capfd.readouterr().err
+    assert amp_fx.convert(model, "O1", example_inputs=(torch.randn(8, 16),))(torch.randn(8, 16)).shape == (8, 4)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional
 
@@ -51,6 +52,7 @@ from amp_fx.core.dtype_rules import explicit_dtype, rule_value, widest
 from amp_fx.core.graph_module import switching_modes
 from amp_fx.core.meta import ValueInfo, may_be_float_tensor
 from amp_fx.core.op_keys import CAST_OPS
+from amp_fx.errors import AmpValueError
 
 __all__ = [
     "ValueInfo", "Analysis", "analyse", "input_target", "arrives_as", "explicit_dtype", "promoting_inputs",
@@ -210,6 +212,8 @@ class _Walker:
         self.read_as: dict[fx.Node, ValueInfo] = {}  # entry-cast inputs, as their readers see them
         self.decisions: dict[fx.Node, str] = {}
         self.examples = placeholder_examples(gm, ctx)
+        # convert()'s example inputs come from the user (the backend's from Dynamo's own trace of real calls)
+        self.user_examples = bool(self.examples) and getattr(ctx, "route", None) != "dynamo"
         self.mode = None
         if self.examples:
             self.mode = _fake_mode_of(self.examples) or getattr(ctx, "fake_mode", None)
@@ -313,10 +317,13 @@ class _Walker:
             fakes = {n: arrives_as(info, target, with_value=True).fake for n, info in given.items()}
             args, kwargs = map_arg((node.args, node.kwargs), lambda n: fakes[n])
             try:
-                result = _call(self.gm, node, args, kwargs, target)
+                with _quiet_fake_kernels():
+                    result = _call(self.gm, node, args, kwargs, target)
                 info = ValueInfo.of(result)
             except Exception as error:  # any failure: the node is unknown, the conversion goes on
                 reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
+                if self.user_examples and self._fails_as_written(node, given, error):
+                    raise _examples_do_not_fit(node, reason, self.examples) from error
                 info = rule_value(node, decision, inputs, target, self.gm)
                 info.unknown = reason
             if same_call is not None:
@@ -325,6 +332,46 @@ class _Walker:
             self.unknown[node.name] = info.unknown
         self.cache[signature] = info
         return info
+
+    def _fails_as_written(self, node: fx.Node, given: dict[fx.Node, ValueInfo], error: Exception) -> bool:
+        """True when ``node`` also fails on its inputs in fp32, with a plain error: the inputs, not the paint, are wrong.
+
+        A missing fake kernel or a data-dependent result raises a subclass of
+        RuntimeError (``UnsupportedOperatorException``, ``DataDependentOutputException``):
+        those nodes are only unknown.  ``torch._check`` failures (shapes that do not fit) are plain.
+        """
+        if type(error) not in (RuntimeError, ValueError, IndexError):
+            return False
+        fakes = {n: arrives_as(info, torch.float32, with_value=True).fake for n, info in given.items()}
+        args, kwargs = map_arg((node.args, node.kwargs), lambda n: fakes[n])
+        try:
+            with _quiet_fake_kernels():
+                _call(self.gm, node, args, kwargs, torch.float32)
+        except (RuntimeError, ValueError, IndexError) as again:
+            return type(again) is type(error)
+        return False
+
+
+def _examples_do_not_fit(node: fx.Node, reason: str, examples: Mapping[fx.Node, Any]) -> AmpValueError:
+    """The error for example inputs the model itself rejects: which node, where, and the shapes given."""
+    shapes = {n.name: tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for n, v in examples.items()}
+    where = node.meta.get(meta.SOURCE) or node.name
+    return AmpValueError(
+        f"the example inputs do not fit the model: {node.name} ({where}) fails on them in fp32 too: {reason.rstrip('.')}. "
+        f"Example input shapes: {shapes}. Pass example_inputs / example_kwarg_inputs the model accepts "
+        "(call model(*example_inputs) to check).")
+
+
+@contextlib.contextmanager
+def _quiet_fake_kernels() -> Iterator[None]:
+    """Silence FakeTensorMode's log of a failing meta kernel: the analysis records or raises it itself."""
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        fake_log.setLevel(level)
 
 
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
