@@ -9,7 +9,7 @@ floating, a tuple) the tables do not say.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.fx as fx
@@ -31,7 +31,7 @@ _NON_FLOAT_RESULT = frozenset({
     "nonzero", "searchsorted", "bucketize",
 })
 _NON_TENSOR_RESULT = frozenset({"size", "dim", "numel", "ndimension", "nelement", "stride", "is_floating_point",
-                                "item", "tolist", "getattr", "equal", "is_contiguous", "data_ptr"})
+                                "item", "tolist", "equal", "is_contiguous", "data_ptr"})
 _NON_TENSOR_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "is_sparse", "layout"})
 # Ops that return several tensors (their items are read with getitem).
 _TUPLE_RESULT = frozenset({"split", "chunk", "unbind", "split_with_sizes", "topk", "sort", "var_mean", "std_mean",
@@ -81,14 +81,30 @@ def _cast_target(node: fx.Node, inputs: Mapping[fx.Node, ValueInfo]) -> tuple[bo
     return True, None
 
 
+def _attribute_value(attribute: Any, owner: Optional[ValueInfo]) -> ValueInfo:
+    """``x.shape``, ``out.values``, ``out.last_hidden_state``: what an attribute read gives in dtype-only mode.
+
+    ``.values`` of ``max(dim)``/``sort``/``topk``/... is their floating result and
+    ``.indices`` integers; any other attribute may be a floating tensor of any
+    dtype, so it is unknown and its readers' casts are guarded.
+    """
+    if attribute in _NON_TENSOR_ATTRS:
+        return ValueInfo.non_tensor()
+    if attribute == "indices":
+        return ValueInfo(True, False)
+    if attribute == "values" and owner is not None and owner.container:
+        return ValueInfo(None, None, owner.float_dtype)
+    return ValueInfo()
+
+
 def rule_value(node: fx.Node, decision: str, inputs: Mapping[fx.Node, ValueInfo], target: Optional[torch.dtype],
                 gm: fx.GraphModule) -> ValueInfo:
     """Dtype-only mode: the op's result rule (see the module docstring, step 4)."""
     op = node.meta.get(meta.OP)
     if op in _NON_TENSOR_RESULT or (node.op == "call_method" and node.target in _NON_TENSOR_RESULT):
         return ValueInfo.non_tensor()
-    if node.op == "call_function" and node.target is getattr and len(node.args) > 1 and node.args[1] in _NON_TENSOR_ATTRS:
-        return ValueInfo.non_tensor()
+    if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
+        return _attribute_value(node.args[1], inputs.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None)
     if node.op == "call_method" and node.target in _NON_FLOAT_CASTS:
         return ValueInfo(True, False)
     first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None

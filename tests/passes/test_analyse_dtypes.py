@@ -461,3 +461,47 @@ def test_export_keeps_the_models_float_cast_it_dropped(level):
     assert readers and all(r.dtype == "float32" for r in readers)
     assert all(r.decision == "low" for r in gm.amp_report.nodes if r.op in ("linear", "addmm", "mm"))
     _close(gm(x), model(x), tol=0.03)
+
+
+class _ValuesIntoLinear(nn.Module):
+    """``.values`` of max(dim)/sort/topk/cummax/median, taken from an fp32 LayerNorm, feeds a Linear."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.enc, self.norm, self.head, self.how = nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 4), how
+
+    def forward(self, x):
+        h = self.norm(self.enc(x))
+        if self.how == "max":
+            v = h.max(dim=1).values
+        elif self.how == "sort":
+            v = h.sort(-1).values[:, 0]
+        elif self.how == "topk":
+            v = h.topk(3, dim=1).values[:, 0]
+        elif self.how == "cummax":
+            v = h.cummax(1).values[:, -1]
+        else:
+            v = h.median(1).values
+        return self.head(v)
+
+
+@pytest.mark.parametrize("examples", [False, True], ids=["dtype_only", "example_inputs"])
+@pytest.mark.parametrize("how", ["max", "sort", "topk", "cummax", "median"])
+def test_values_of_a_named_tuple_result_reach_a_gemm_cast(how, examples):
+    """Without example inputs ``out.values`` was taken for a non-tensor: no cast, and the GEMM failed on mixed dtypes."""
+    torch.manual_seed(0)
+    model, x = _ValuesIntoLinear(how), torch.randn(8, 10, 32)
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,) if examples else None)
+    xi, xa = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = gm(xi)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(xa)
+    assert torch.equal(out, ref.float())
+    out.sum().backward()
+    ref.float().sum().backward()
+    # CPU autocast runs the LayerNorm in bf16, amp_fx keeps it fp32: the input gradients differ by rounding,
+    # so both are measured against fp32, and amp_fx's may not be the worse one.
+    x32 = x.clone().requires_grad_()
+    model(x32).sum().backward()
+    error = lambda g: ((g - x32.grad).norm() / x32.grad.norm()).item()  # noqa: E731
+    assert error(xi.grad) <= 1.1 * error(xa.grad) + 1e-6
