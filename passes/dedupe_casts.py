@@ -22,9 +22,11 @@ from amp_fx.core.pass_manager import PassContext, PassResult
 
 __all__ = ["dedupe_casts"]
 
-# Views with one tensor input: casting before or after them gives the same values.
+# Views with one tensor input: casting before or after them gives the same values, and the
+# same gradients.  Not ``expand``: its backward sums over the broadcast, which would then run in
+# the low dtype instead of fp32 (autocast casts the expanded value and sums in fp32).
 _HOISTABLE = frozenset({
-    "t", "transpose", "permute", "view", "reshape", "expand", "contiguous", "unsqueeze", "squeeze",
+    "t", "transpose", "permute", "view", "reshape", "contiguous", "unsqueeze", "squeeze",
     "flatten", "getitem", "select", "narrow", "detach", "view_as", "alias", "unflatten",
 }) & tables.DATA_MOVEMENT
 

@@ -52,6 +52,7 @@ from typing import Any, Optional
 import networkx as nx
 import torch
 import torch.fx as fx
+from torch.fx.node import map_arg
 
 from amp_fx.core import meta
 from amp_fx.core.analysis import Analysis, ValueInfo, analyse, explicit_dtype, mutated_values, promoting_inputs
@@ -85,17 +86,17 @@ _FREE_FOLLOW = frozenset({
 })
 # Of those, the ones that read several tensors and may run in the widest of them.
 _PROMOTING_FOLLOW = frozenset({"add", "sub", "mul", "div", "where", "maximum", "minimum", "lerp", "rsub"})
-# Ops that commute with rounding to the low dtype (rounding is monotone): narrowing
-# their input gives exactly what narrowing their output gives.  Only these may
-# move from fp32 to low; an op that computes (``add`` on a residual stream, ``gelu``)
-# would round its fp32 inputs first and be less precise than autocast.
+# Ops that commute with rounding to the low dtype, forward and backward: narrowing their
+# input gives exactly what narrowing their output gives, and their backward only moves
+# gradients (no sum).  Only these may move from fp32 to low; an op that computes (``add`` on
+# a residual stream, ``gelu``) would round its fp32 inputs first, and an op whose backward sums
+# (``expand``, ``repeat``, gathers, overlapping pooling, broadcasting binary ops) would sum
+# its gradient in the low dtype: either is less precise than autocast.
 _EXACT_UNDER_ROUNDING = frozenset({
     "relu", "neg", "abs", "sign", "clamp", "clamp_min", "clamp_max", "hardtanh", "relu6", "threshold",
-    "where", "maximum", "minimum", "masked_fill", "max_pool1d", "max_pool2d", "max_pool3d", "amax", "amin",
-    "view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "contiguous", "expand",
-    "repeat", "squeeze", "unsqueeze", "narrow", "select", "slice", "index_select", "gather", "roll",
-    "flip", "clone", "detach", "identity", "pad", "constant_pad_nd", "tril", "triu", "alias",
-    "unsafe_view", "_unsafe_view", "getitem", "cat", "stack",
+    "view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "contiguous",
+    "squeeze", "unsqueeze", "narrow", "select", "slice", "flip", "roll", "clone", "detach", "identity",
+    "pad", "constant_pad_nd", "tril", "triu", "alias", "unsafe_view", "_unsafe_view", "getitem", "cat", "stack",
 })
 
 
@@ -304,6 +305,17 @@ def build_problem(gm: fx.GraphModule, ctx: PassContext, paint: dict, analysis: A
     return problem, free_kind
 
 
+def _exact_under_rounding(node: fx.Node) -> bool:
+    """The op commutes with rounding forward and backward (see ``_EXACT_UNDER_ROUNDING``); ``x[idx]`` with a tensor index is a gather."""
+    if node.meta.get(meta.OP) not in _EXACT_UNDER_ROUNDING:
+        return False
+    if node.meta.get(meta.OP) == "getitem":
+        indices: list[fx.Node] = []
+        map_arg(node.args[1:], indices.append)
+        return not indices
+    return True
+
+
 def _keep_fp32_precision(problem: CastProblem, paint: dict, ctx: PassContext, low: torch.dtype) -> None:
     """Forbid every move to low that would round a value some reader computed with in fp32.
 
@@ -325,7 +337,7 @@ def _keep_fp32_precision(problem: CastProblem, paint: dict, ctx: PassContext, lo
     for node in problem.free:
         if problem.greedy[node] != 1:
             continue
-        if node.meta.get(meta.OP) not in _EXACT_UNDER_ROUNDING or not all(
+        if not _exact_under_rounding(node) or not all(
                 reader in free or rounds_anyway(reader) for reader in node.users):
             problem.implies.append((SINK, node))
             continue

@@ -268,16 +268,22 @@ class RepeatThenLinear(nn.Module):
 
 
 @pytest.mark.parametrize("with_examples", [True, False])
-def test_cast_lands_before_a_repeat_with_and_without_example_inputs(with_examples):
-    """Casting before the 64x repeat moves 64x fewer bytes: the min-cut places it there, dtype known or not."""
-    x = torch.randn(4, 2)
-    gm = amp_fx.convert(RepeatThenLinear(), "O1", example_inputs=(x,) if with_examples else None)
+def test_a_repeated_value_is_cast_after_the_repeat_as_autocast_does(with_examples):
+    """Casting before the 64x repeat would move 64x fewer bytes, but the repeat's backward sums 64
+    gradients, and that sum would run in bf16: the cast stays after it, and x.grad is autocast's."""
+    torch.manual_seed(0)
+    model, x = RepeatThenLinear(), torch.randn(4, 2)
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,) if with_examples else None)
     repeat = next(n for n in gm.graph.nodes if n.meta.get(meta.OP) == "repeat")
-    source = repeat.args[0]
-    assert source.meta.get(meta.INSERTED) and source.meta[meta.FLOAT_DTYPE] == torch.bfloat16, gm.code
-    model = RepeatThenLinear()
-    model.load_state_dict(gm.state_dict())
-    _close(gm(x), model(x))
+    assert not repeat.args[0].meta.get(meta.INSERTED), gm.code
+    xi, xa = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = gm(xi)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(xa)
+    assert torch.equal(out, ref.float())
+    out.pow(2).sum().backward()
+    ref.float().pow(2).sum().backward()
+    assert torch.equal(xi.grad, xa.grad)
 
 
 # --------------------------------------------------------------------------

@@ -146,7 +146,6 @@ class FanIn32(nn.Module):
 X = (4, 16)
 # (model, greedy cast elements, optimal cast elements, nodes moved); weight casts are in both.
 HAND_BUILT = [
-    (Broadcast, 8 * 16 + 8 + 4 * 16, 8 * 16 + 8 + 4 * 1, 1),
     (FanIn32, 4 * 16 + 8 * 16 + 8 + 2 * 4 * 8, 4 * 16 + 8 * 16 + 8 + 4 * 8, 2),
 ]
 
@@ -176,13 +175,13 @@ def test_reasons_say_placed_by_min_cut():
 
 def test_without_example_inputs_sizes_are_estimated():
     """No example inputs: activation sizes fall back to estimates, the report says so, the placement is the same."""
-    model, x = Broadcast(), torch.randn(*X)
+    model, x = FanIn32(), torch.randn(*X)
     estimated = amp_fx.convert(model, "O1", dtype=torch.bfloat16, cast_model_outputs=False)
     stats = estimated.amp_report.passes["minimize_casts"]
-    assert stats["sizes_estimated"] and stats["moved"] == 1 and stats["cast_bytes_min_cut"] < stats["cast_bytes_greedy"]
+    assert stats["sizes_estimated"] and stats["moved"] == 2 and stats["cast_bytes_min_cut"] < stats["cast_bytes_greedy"]
     assert stats["report_lines"][0].startswith("cast bytes per forward ~") and "(sizes estimated" in stats["report_lines"][0]
     exact = _measured(model, (x,), True)
-    assert [r.decision for r in estimated.amp_report.nodes if r.rule == "min-cut"] == ["low"]
+    assert [r.decision for r in estimated.amp_report.nodes if r.rule == "min-cut"] == ["fp32", "fp32"]
     assert {r.name for r in estimated.amp_report.nodes if r.rule == "min-cut"} == {r.name for r in exact.amp_report.nodes if r.rule == "min-cut"}
     torch.testing.assert_close(estimated(x), exact(x), rtol=0, atol=0)
 
@@ -283,7 +282,7 @@ class IntegerPath(nn.Module):
 def test_integer_values_carry_no_cost_and_keep_their_paint():
     example = (torch.randint(0, 9, (2, 3)), torch.randn(2, 3, 16))
     gm = fx.symbolic_trace(IntegerPath())
-    stats, finished = check(gm, example, moved=1)
+    stats, finished = check(gm, example, moved=0)  # the expand's backward sums: it stays fp32
     ctx = _context(gm, example)
     gm = run_passes(fx.symbolic_trace(IntegerPath()), ctx, [propagate_meta, assign_precision, analyse_dtypes])
     paint = {n: n.meta["amp_fx.decision"] for n in gm.graph.nodes}
@@ -325,7 +324,8 @@ def test_random_graphs_never_cost_more_than_greedy(first):
         wins += placed_bytes < stats["cast_bytes_greedy"]
         # PROMOTE semantics: a promote op is never repainted.
         assert all(r.decision == "promote" for r in report.nodes if r.op in ("cat", "addcmul")), seed
-    assert wins >= 1  # the generator does produce graphs that greedy gets wrong
+    # (How often the min-cut wins depends on the seeds: moves that would compute or sum gradients
+    # lower than the tables are forbidden; FanIn32 above shows a win byte for byte.)
 
 
 def test_random_graphs_second_run_changes_nothing():
@@ -407,3 +407,42 @@ def test_transformer_block_with_separate_bias_keeps_the_bias_add_fp32():
     assert on.amp_report.node("add_1").decision != "low" and on.amp_report.node("add_1").dtype == "float32"
     assert on.amp_report.cast_bytes <= off.amp_report.cast_bytes
     assert torch.equal(on(*example), off(*example))
+
+
+class TableLookup(nn.Module):
+    """A learned table read by index (a Swin-style bias table): the gather's backward sums into 4 rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.table, self.proj = nn.Parameter(torch.randn(4, 16)), nn.Linear(16, 16)
+        self.register_buffer("idx", torch.arange(256) % 4)
+
+    def forward(self, x):
+        return self.proj(self.table[self.idx]) * x
+
+
+class TokenExpand(nn.Module):
+    """A learned token broadcast over the batch (a CLS token): the expand's backward sums over it."""
+
+    def __init__(self):
+        super().__init__()
+        self.token, self.proj = nn.Parameter(torch.randn(1, 16)), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.proj(self.token.expand(x.shape[0], 16)) * x
+
+
+@pytest.mark.parametrize("minimize", [True, False], ids=["min_cut", "greedy"])
+@pytest.mark.parametrize("factory", [TableLookup, TokenExpand], ids=lambda f: f.__name__)
+def test_gathered_and_broadcast_weights_sum_their_gradients_in_fp32_as_autocast(factory, minimize):
+    """Casting a weight before a gather or an expand is the same forward, but its backward would sum in bf16."""
+    torch.manual_seed(0)
+    model, x = factory(), torch.randn(256, 16)
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16, minimize_casts=minimize)
+    out = gm(x)
+    grads = torch.autograd.grad(out.sum(), list(model.parameters()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(x)
+    assert torch.equal(out, ref.float())
+    for got, want in zip(grads, torch.autograd.grad(ref.float().sum(), list(model.parameters()))):
+        assert torch.equal(got, want)
