@@ -20,7 +20,7 @@ from amp_fx.core import tables
 from amp_fx.core.config import AmpConfig, make_config
 from amp_fx.core.devices import device_type_of
 from amp_fx.errors import AlreadyConvertedError, AmpTypeError, AmpValueError, checks_keywords, did_you_mean
-from amp_fx.core.graph_module import ROUTE_ATTR, AmpGraphModule, switching_modes
+from amp_fx.core.graph_module import ROUTE_ATTR, AmpGraphModule, attach_masters, switching_modes
 from amp_fx.core.op_keys import CAST_OPS, canonical_op
 from amp_fx.core.pass_manager import PassContext
 from amp_fx.core.pipeline import rewrite_graph
@@ -236,6 +236,5 @@ def convert(
                                   if isinstance(value, torch.Tensor) and value.is_floating_point()}
     result.amp_fx_source_dtypes = dict(ctx.source_dtypes)
     if config.master_weights and owns_params:
-        originals = dict(model.named_parameters())
-        result.amp_fx_masters = {name: originals[name] for name, _ in result.named_parameters() if name in originals}
+        attach_masters(result, dict(model.named_parameters()))
     return result

@@ -85,6 +85,22 @@ def _own_modules(gm: nn.Module, root: nn.Module) -> None:
             module.training = source.training
 
 
+MASTER_ATTR = "_amp_fx_master"  # on an O2 low parameter: the fp32 master it was cast from
+
+
+def attach_masters(module: nn.Module, originals: dict[str, torch.Tensor]) -> None:
+    """Record O2's fp32 masters: the original model's parameters of the same names.
+
+    On the module (``amp_fx_masters``, for ``MasterWeightOptimizer(opt, module)``)
+    and on each low parameter, so that a tensor handed to ``add_param_group``
+    alone still finds its master.
+    """
+    module.amp_fx_masters = {name: originals[name] for name, _ in module.named_parameters() if name in originals}
+    for name, param in module.named_parameters():
+        if name in module.amp_fx_masters and param is not module.amp_fx_masters[name]:
+            setattr(param, MASTER_ATTR, module.amp_fx_masters[name])
+
+
 def _restore_source_dtypes(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     """state_dict hook: report each low-precision tensor in the dtype the original model had.
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from amp_fx.core.graph_module import attach_masters
 from amp_fx.errors import AmpRuntimeError, AmpTypeError, AmpValueError
 
 __all__ = [
@@ -367,8 +368,7 @@ def convert_for_sharding(
     for module in [root, *(root.get_submodule(n) for n in names)]:
         module.register_forward_pre_hook(_refuse_fsdp_param_dtype)
     if getattr(root, "amp_fx_masters", None) is not None or (not convert_root and level == "O2"):
-        originals = dict(model.named_parameters())
-        root.amp_fx_masters = {n: originals[n] for n, _ in root.named_parameters() if n in originals}
+        attach_masters(root, dict(model.named_parameters()))
     return root
 
 

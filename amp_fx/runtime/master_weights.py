@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from amp_fx.core.config import AmpConfig
+from amp_fx.core.graph_module import MASTER_ATTR
 from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer
 
 from .distributed import is_dtensor, local_tensor, refuse_replaced_params, shard_like
@@ -215,8 +216,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
         resolved = self._resolve(param) if self._resolve is not None else None
         if resolved is not None:
             name, module_param, master = resolved
-        else:
-            name, module_param, master = f"added.{self._added}", param, None
+        else:  # a parameter of another O2 module: its master is the model parameter it was cast from
+            name, module_param, master = f"added.{self._added}", param, getattr(param, MASTER_ATTR, None)
             self._added += 1
         if name in self._params and self._params[name] is not module_param:
             raise AmpValueError(f"add_param_group: a parameter named {name!r} is already optimized")

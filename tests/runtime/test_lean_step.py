@@ -222,8 +222,9 @@ def test_one_copy_per_dtype_group_each_way(monkeypatch):
     scaler.scale(F.cross_entropy(gm(x) + other(x), y)).backward()
     copies.lengths.clear()
     assert scaler.step(mw) is True
-    # The added model's low parameters join the low group; its fp32 ones are their own masters (no copy).
-    assert sorted(copies.lengths) == [4, 4, 12, 12]
+    # The added model's parameters join the groups, with its own model's parameters as masters (its fp32
+    # LayerNorm copies too, as for the first model).
+    assert sorted(copies.lengths) == [8, 8, 12, 12]
 
 
 # ------------------------------------------------------------------ 6
