@@ -25,18 +25,20 @@ then asks for its inputs as they arrive, and the analysis is re-run so every
 reader sees the low result.  ``insert_casts`` writes no cast for it.
 
 Which forms: each was measured against the cast form (``tests/passes/
-test_fuse_precision.py``): output within 1 low-dtype ulp, input, weight and
-bias gradients as precise as fp32's.  ``layer_norm`` without weight and bias
-runs CPU's mixed-dtype kernel as it is.  An affine ``layer_norm`` (fp32 weight
-and/or bias) is *retargeted* to :func:`amp_fx.core.fused_norms.
+test_fuse_precision.py``): output within 1 low-dtype ulp, and input, weight
+and bias gradients as precise as the cast form's against fp64.  Affine
+``group_norm`` and ``instance_norm`` run CPU's mixed-dtype kernel as it is.
+``layer_norm`` (bf16 only) is *retargeted* to :func:`amp_fx.core.fused_norms.
 layer_norm_fp32_stats`: CPU's mixed-dtype forward, but the cast form's fp32
 backward on the saved low input, since CPU's own mixed-dtype backward
 accumulates the weight and bias gradients in the low dtype (~1-2% relative
 error on 256x1024 bf16, against 1e-7 for the cast form).  Only the
 ``F.layer_norm`` / ``torch.layer_norm`` call forms are retargeted (symbolic
 tracing and Dynamo both give them); a leaf ``nn.LayerNorm`` module and
-torch.export's aten ``layer_norm`` / ``native_layer_norm`` keep the cast form
-when affine.  ``softmax``/``log_softmax``/``sum``/``mean``/``cumsum`` with
+torch.export's aten ``layer_norm`` / ``native_layer_norm`` keep the cast
+form.  Not fused: norms without weight and bias other than layer_norm (CPU's
+all-low kernel computes their input gradient in the low dtype, 1.5x the cast
+form's error) and ``batch_norm`` (1.17x).  ``softmax``/``log_softmax``/``sum``/``mean``/``cumsum`` with
 ``dtype=torch.float32`` cast their input inside the op on CPU (the same
 kernel as amp_fx's cast), and CPU losses on bf16 logits accumulate and
 return in bf16: neither saves anything without losing precision on CPU.
@@ -59,13 +61,15 @@ __all__ = ["fuse_precision", "FUSED_FORMS"]
 
 _LOW = (torch.bfloat16, torch.float16)
 # op -> (device types with a verified kernel, what the report says it does)
+# (Not batch_norm: CPU's mixed backward gives a 1.17x larger input-gradient error than the cast form
+# against fp64.  At O1 batch_norm follows its input anyway; only a policy pins it fp32.)
 FUSED_FORMS: dict[str, tuple[frozenset, str]] = {
     "group_norm": (frozenset({"cpu"}), "group_norm"),
-    "batch_norm": (frozenset({"cpu"}), "batch_norm"),
     "instance_norm": (frozenset({"cpu"}), "instance_norm"),
     "layer_norm": (frozenset({"cpu"}), "layer_norm without weight and bias"),
 }
 _AFFINE_LAYER_NORM = "layer_norm with fp32 statistics and fp32 weight/bias gradients"
+_PLAIN_LAYER_NORM = "layer_norm without weight and bias, with fp32 statistics and an fp32 backward"
 # Call forms of an affine layer_norm that can run as layer_norm_fp32_stats (F.layer_norm's signature;
 # torch.layer_norm's extra cudnn_enable is dropped).  Reverted, a node goes back to torch.layer_norm,
 # which takes every call either spelling can make.
@@ -115,13 +119,18 @@ def _weights_fp32(gm: fx.GraphModule, node: fx.Node, first: fx.Node, values: dic
     return True
 
 
+# Where F.layer_norm/group_norm and F.batch_norm/instance_norm take their weight and bias.
+_WEIGHT_BIAS_POSITIONS = {"layer_norm": (2, 3), "group_norm": (2, 3), "batch_norm": (3, 4), "instance_norm": (3, 4)}
+
+
 def _has_affine(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """True when a layer_norm has a weight or bias (CPU's fused backward is imprecise for them)."""
+    """True when a norm has a weight or bias."""
     if node.op == "call_module":
         module = gm.get_submodule(str(node.target))
         return any(True for _ in module.parameters(recurse=False))
-    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
-    bias = node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")
+    w, b = _WEIGHT_BIAS_POSITIONS.get(node.meta.get(meta.OP), (2, 3))
+    weight = node.args[w] if len(node.args) > w else node.kwargs.get("weight")
+    bias = node.args[b] if len(node.args) > b else node.kwargs.get("bias")
     return weight is not None or bias is not None
 
 
@@ -159,13 +168,17 @@ def _fusable(gm: fx.GraphModule, node: fx.Node, ctx: PassContext, values: dict) 
         return None
     if not _weights_fp32(gm, node, first, values) or not node.users:
         return None
-    if op == "layer_norm" and _has_affine(gm, node):
+    if op == "layer_norm":
         if not _retargetable(node):
-            return None  # a leaf module or an aten form: CPU's own mixed backward would round dw/db low
+            return None  # a leaf module or an aten form: CPU's own mixed backward would round dx, dw, db low
         if low != torch.bfloat16:
             # fp16: CPU's mixed forward differs from the cast form in ~1e-4 of the outputs (1 ulp),
             # and a 200-step fp16 run drifted 1.7% from autocast (0.15% with the cast form); bf16 is bitwise.
             return None
+    elif not _has_affine(gm, node):
+        # Without weight and bias CPU's mixed backward computes the input gradient in the low dtype:
+        # 1.5x the cast form's error against fp64 (group_norm, bf16).
+        return None
     return low if _read_low(node, low, ctx, values, gm) else None
 
 
@@ -222,13 +235,16 @@ def fuse_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     retargeted = False
     for node in graph.nodes:
         low = _fusable(gm, node, ctx, values) if enabled else None
-        affine = node.meta.get(meta.OP) == "layer_norm" and _retargetable(node) and _has_affine(gm, node)
-        if affine:
+        precise_layer_norm = node.meta.get(meta.OP) == "layer_norm" and _retargetable(node)
+        if precise_layer_norm:
             retargeted |= _retarget(node, low is not None)
         if low is None:
             continue
         name = str(low).replace("torch.", "")
-        node.meta[meta.FUSED] = _AFFINE_LAYER_NORM if affine else FUSED_FORMS[node.meta[meta.OP]][1]
+        if precise_layer_norm:
+            node.meta[meta.FUSED] = _AFFINE_LAYER_NORM if _has_affine(gm, node) else _PLAIN_LAYER_NORM
+        else:
+            node.meta[meta.FUSED] = FUSED_FORMS[node.meta[meta.OP]][1]
         reason = node.meta.get(meta.REASON, "fp32").split("; fused")[0]  # an earlier run's words are not kept twice
         node.meta[meta.REASON] = (f"{reason}; fused ({node.meta[meta.FUSED]}): computes in fp32 from its {name} input and fp32 weights, "
                                   f"rounding once to {name} as the cast back would (no casts)")

@@ -38,7 +38,14 @@ class LayerNormFp32Stats(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor],
                 bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-        out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        if weight is None and bias is None and x.dtype in (torch.bfloat16, torch.float16):
+            # Without fp32 weights CPU runs its all-low kernel, whose statistics come back rounded to the low
+            # dtype (the backward then reads a rounded rstd: 1.15x the cast form's input-gradient error).
+            # An identity affine in fp32 selects the mixed kernel: the same output, fp32 statistics.
+            ones = torch.ones(normalized_shape, dtype=torch.float32, device=x.device)
+            out, mean, rstd = torch.native_layer_norm(x, normalized_shape, ones, torch.zeros_like(ones), eps)
+        else:
+            out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
         # The CPU kernel returns fp32 statistics; the meta kernel says the input's dtype.  The copy makes traced
         # graphs (fake runs, AOT, export) agree with the real kernel; it costs one (rows,)-sized copy each.
         ctx.save_for_backward(x, _fp32(mean), _fp32(rstd), weight, bias)

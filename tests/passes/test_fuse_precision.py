@@ -6,6 +6,8 @@ import io
 import pickle
 from typing import Optional
 
+import copy
+
 import pytest
 import torch
 import torch.fx as fx
@@ -49,7 +51,7 @@ class NormBetween(nn.Module):
 
 # batch_norm and instance_norm follow their input at O1: fp32 only when a policy says so.
 POLICY = {"batch_norm": {"op:batch_norm": "fp32"}, "instance_norm": {"op:instance_norm": "fp32"}}
-FORMS = ["group_norm", "batch_norm", "instance_norm", "layer_norm", "layer_norm_affine"]
+FORMS = ["group_norm", "instance_norm", "layer_norm", "layer_norm_affine"]
 
 
 def _inputs(seed: int = 0) -> torch.Tensor:
@@ -85,8 +87,8 @@ def _ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> float:
     return ((got.double() - want.double()).abs().max() / (want.double().abs().max() * torch.finfo(dtype).eps)).item()
 
 
-# Affine layer_norm fuses in bf16 only (fp16 keeps the cast form: test_fp16_affine_layer_norm_keeps_the_cast_form).
-FORM_DTYPES = [(norm, dtype) for norm in FORMS for dtype in LOW if not (norm == "layer_norm_affine" and dtype == torch.float16)]
+# layer_norm fuses in bf16 only (fp16 keeps the cast form: test_fp16_affine_layer_norm_keeps_the_cast_form).
+FORM_DTYPES = [(norm, dtype) for norm in FORMS for dtype in LOW if not (norm.startswith("layer_norm") and dtype == torch.float16)]
 
 
 @pytest.mark.parametrize("norm,dtype", FORM_DTYPES, ids=[f"{n}-{d}" for n, d in FORM_DTYPES])
@@ -345,3 +347,34 @@ def test_affine_layer_norm_read_in_fp32_keeps_the_cast_form():
     node = _norm_node(gm)
     assert node.target is F.layer_norm and not node.meta.get("amp_fx.fused")
     assert node.meta["amp_fx.float_dtype"] == torch.float32
+
+
+@pytest.mark.parametrize("norm", FORMS)
+def test_fused_input_gradient_is_as_precise_as_the_cast_form_against_fp64(norm):
+    """Within one ulp of the cast form is not enough: the fused input gradient's error against fp64 is the cast form's."""
+    model, x = NormBetween(norm), _inputs(1).to(torch.bfloat16)
+    fused, cast = _convert(model, norm, torch.bfloat16, True, x=x), _convert(model, norm, torch.bfloat16, False, x=x)
+    assert _norm_node(fused).meta.get("amp_fx.fused")
+    reference = copy.deepcopy(model).double()
+    xr = x.double().requires_grad_()
+    out = reference(xr)
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view(out.shape))
+    error = lambda g: ((g.double() - xr.grad).norm() / xr.grad.norm()).item()  # noqa: E731
+    assert error(_run(fused, x)[1]) <= 1.05 * error(_run(cast, x)[1])
+
+
+def test_batch_norm_pinned_fp32_keeps_the_cast_form():
+    """CPU's mixed batch_norm backward is 1.17x the cast form's input-gradient error: a policy's fp32 batch_norm is not fused."""
+    gm = _convert(NormBetween("batch_norm"), "batch_norm", torch.bfloat16, True)
+    assert _norm_node(gm).meta["amp_fx.decision"] == "fp32" and not _norm_node(gm).meta.get("amp_fx.fused")
+
+
+@pytest.mark.parametrize("norm", ["group_norm", "instance_norm", "batch_norm"])
+def test_a_norm_without_weight_and_bias_keeps_the_cast_form(norm):
+    """CPU's mixed backward computes a weightless norm's input gradient in bf16 (1.5x the cast form's error)."""
+    model = NormBetween(norm)
+    plain = {"group_norm": nn.GroupNorm(4, 16, affine=False), "instance_norm": nn.InstanceNorm1d(16),
+             "batch_norm": nn.BatchNorm1d(16, affine=False)}[norm]
+    model.norm = plain
+    gm = _convert(model, norm, torch.bfloat16, True)
+    assert not _norm_node(gm).meta.get("amp_fx.fused")
