@@ -42,6 +42,10 @@ _LAZY = {
 
 def __getattr__(name: str):
     module_name = _LAZY.get(name)
+    if module_name is None and f"amp_fx.{name}" in _moved.MOVED:  # amp_fx.config without an import, as in 0.1
+        import importlib
+
+        return importlib.import_module(f"amp_fx.{name}")
     if module_name is None:
         raise AttributeError(f"module 'amp_fx' has no attribute {name!r}")
     import importlib

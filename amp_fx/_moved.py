@@ -107,6 +107,9 @@ REMOVED = {
 class _OldModule(types.ModuleType):
     """An old module path whose module lost public names: the moved module's names, plus the removed ones."""
 
+    def __dir__(self) -> list[str]:
+        return sorted({*dir(importlib.import_module(MOVED[self.__name__])), *REMOVED[self.__name__]})
+
     def __getattr__(self, name: str) -> Any:
         removed = REMOVED[self.__name__]
         if name in removed:
@@ -124,6 +127,9 @@ class _CallableBackendModule(types.ModuleType):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(importlib.import_module("amp_fx.dynamo.backend"), name)
+
+    def __dir__(self) -> list[str]:
+        return dir(importlib.import_module("amp_fx.dynamo.backend"))
 
 
 class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -378,3 +378,24 @@ def test_config_keys_initialize_properties_and_aten_op_names_get_close_matches()
         amp_fx.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", keep_batchnorm_fp23=True)
     assert [op_name_of(s) for s in ("aten.softmax.int", "torch.ops.aten.add_.Tensor", "torch.matmul", "x.softmax_")] == [
         "softmax", "add", "matmul", "softmax"]
+
+
+def test_optimizer_wrappers_and_tools_refuse_misspelt_keywords_and_non_optimizers():
+    import torch
+
+    import amp_fx
+
+    gm = amp_fx.convert(torch.nn.Linear(4, 4), "O2")
+    model = torch.nn.Linear(4, 4)
+    cases = [
+        (lambda: amp_fx.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gm, mastrs={}), "'masters'"),
+        (lambda: amp_fx.LowPrecisionOptimizer(torch.optim.SGD(gm.parameters(), lr=0.1), gm, updte="kahan"), "'update'"),
+        (lambda: amp_fx.find_overflow(gm, torch.randn(2, 4), tagret=1), "'target'"),
+        (lambda: amp_fx.calibrate(torch.nn.Linear(4, 4), [torch.randn(2, 4)], rnage_fraction=0.1), "'range_fraction'"),
+    ]
+    for call, meant in cases:
+        with pytest.raises(TypeError, match=f"Did you mean {meant}") as caught:
+            call()
+        assert isinstance(caught.value, amp_fx.AmpError)
+    with pytest.raises(amp_fx.AmpError, match="wraps a torch optimizer, got NoneType"):
+        amp_fx.MasterWeightOptimizer(None, gm)

@@ -89,3 +89,15 @@ def test_source_lines_treat_every_amp_fx_subpackage_and_the_passes_as_library_co
     for module in (amp_fx.core.api, amp_fx.passes.insert_casts, amp_fx.runtime.loss_scaler, torch.nn.functional):
         assert is_library_file(module.__file__) and not is_user_file(module.__file__)
     assert is_user_file(__file__) and not is_library_file(__file__)
+
+
+def test_old_modules_list_their_names_and_are_reachable_as_attributes_of_amp_fx():
+    sys.modules.pop("amp_fx.views", None)
+    vars(amp_fx).pop("views", None)  # (an earlier import of the old path set it)
+    with pytest.warns(DeprecationWarning):
+        views = amp_fx.views  # as in 0.1, where amp_fx's own imports made it an attribute
+    assert views is importlib.import_module("amp_fx.inspection.views")
+    sys.modules.pop("amp_fx.config", None)
+    with pytest.warns(DeprecationWarning):
+        config = importlib.import_module("amp_fx.config")
+    assert {"AmpConfig", "make_config", "resolve_dtype"} <= set(dir(config))

@@ -28,6 +28,8 @@ full result is ``converted.amp_calibration``.
 
 from __future__ import annotations
 
+import inspect
+
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional, Union
@@ -45,7 +47,7 @@ from amp_fx.inspection.find_overflow import (
 )
 from amp_fx.core.policy import Policy
 from amp_fx.passes.propagate_meta import eval_mode
-from amp_fx.errors import AmpValueError
+from amp_fx.errors import AmpValueError, unknown_options_error
 
 __all__ = ["calibrate", "CalibrationResult", "Finding"]
 
@@ -238,6 +240,17 @@ def _as_batch(batch: Any) -> tuple:
     return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
 
 
+def _check_convert_keywords(convert_kwargs: dict) -> None:
+    """Refuse a keyword neither calibrate nor convert takes, listing both (calibrate's own first)."""
+    from amp_fx.core.api import convert
+
+    own = [name for name in inspect.signature(calibrate).parameters if name not in ("model", "batches", "convert_kwargs")]
+    taken = set(inspect.signature(convert).parameters) - {"model", "level"}
+    unknown = set(convert_kwargs) - taken - set(own)
+    if unknown:
+        raise unknown_options_error(unknown, [*own, *sorted(taken - set(own))], "amp_fx.calibrate")
+
+
 def calibrate(
     model: nn.Module,
     batches: Iterable[Any],
@@ -271,6 +284,7 @@ def calibrate(
     was measured.  ``result.amp_calibration.policy`` reproduces the result
     with a plain ``amp_fx.convert(..., policy=...)``.
     """
+    _check_convert_keywords(convert_kwargs)
     batches = [_as_batch(b) for b in batches]
     if not batches:
         raise AmpValueError("calibrate needs at least one batch of inputs")

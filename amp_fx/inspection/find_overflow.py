@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from amp_fx.core.cast_nodes import cast_target, is_inserted_cast
 from amp_fx.core.outer_autocast import no_outer_autocast
-from amp_fx.errors import AmpTypeError, AmpValueError
+from amp_fx.errors import AmpTypeError, AmpValueError, checks_keywords
 
 __all__ = ["find_overflow", "diagnose_collapse", "OverflowReport", "ReproStep", "TwinRun", "pin_override", "pin_targets", "plain_containers", "LOW_DTYPES"]
 
@@ -315,6 +315,7 @@ def default_loss(output: Any, target: Any = None) -> torch.Tensor:
     return F.mse_loss(tensors[0].float(), torch.as_tensor(target, dtype=torch.float32))
 
 
+@checks_keywords("amp_fx.find_overflow")
 def find_overflow(
     converted: fx.GraphModule,
     *inputs: Any,

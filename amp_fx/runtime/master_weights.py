@@ -50,13 +50,13 @@ from torch import nn
 
 from amp_fx.core.config import AmpConfig
 from amp_fx.core.graph_module import MASTER_ATTR
-from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer
+from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer, check_inner_optimizer
 
 from .distributed import is_dtensor, local_tensor, refuse_replaced_params, shard_like
 from .master_copies import CopyGroup, group_pairs
 from .modules import unwrap_compiled
 from .step_impl import prefer_fast_step
-from amp_fx.errors import AmpKeyError, AmpValueError
+from amp_fx.errors import AmpKeyError, AmpValueError, checks_keywords
 
 __all__ = ["MasterWeightOptimizer"]
 
@@ -109,6 +109,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
     optimizer) drive the real learning rates.
     """
 
+    @checks_keywords("amp_fx.MasterWeightOptimizer")
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -116,6 +117,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         masters: Mapping[str, torch.Tensor] | None = None,
         scaler: Any = None,
     ) -> None:
+        check_inner_optimizer(optimizer, "MasterWeightOptimizer")
         module = unwrap_compiled(module)
         _check_module(module)
         self.optimizer = optimizer

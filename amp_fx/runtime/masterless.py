@@ -47,7 +47,7 @@ from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer
 from .low_precision_update import COMPENSATION_DTYPE, merge_compensated, split_compensated, stochastic_round
 from .modules import unwrap_compiled
 from .training_memory import MemoryReport, measure_training_memory
-from amp_fx.errors import AmpKeyError, AmpNotImplementedError, AmpTypeError, AmpValueError
+from amp_fx.errors import AmpKeyError, AmpNotImplementedError, AmpTypeError, AmpValueError, checks_keywords
 
 __all__ = ["LowPrecisionOptimizer", "UPDATES"]
 
@@ -103,6 +103,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     """
 
     # No Optimizer.__init__: param_groups and state must be the wrapped optimizer's objects.
+    @checks_keywords("amp_fx.LowPrecisionOptimizer")
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,

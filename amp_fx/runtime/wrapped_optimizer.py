@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from amp_fx.errors import AmpTypeError
+
 __all__ = ["WrappedOptimizer"]
 
 _HOOKS = (
@@ -20,6 +22,14 @@ _HOOKS = (
     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
     "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
 )
+
+
+def check_inner_optimizer(optimizer: Any, wrapper: str) -> None:
+    """Refuse anything but a torch optimizer (an object with ``param_groups`` and ``step``) as ``wrapper``'s inner optimizer."""
+    if not (hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None))):
+        raise AmpTypeError(
+            f"{wrapper} wraps a torch optimizer, got {type(optimizer).__name__}: build one over the model's "
+            f"parameters first, e.g. {wrapper}(torch.optim.AdamW(model.parameters()), converted).")
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
