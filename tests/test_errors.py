@@ -399,3 +399,22 @@ def test_optimizer_wrappers_and_tools_refuse_misspelt_keywords_and_non_optimizer
         assert isinstance(caught.value, amp_fx.AmpError)
     with pytest.raises(amp_fx.AmpError, match="wraps a torch optimizer, got NoneType"):
         amp_fx.MasterWeightOptimizer(None, gm)
+
+
+def test_cli_out_paths_that_are_empty_or_under_a_file_are_refused(tmp_path):
+    from amp_fx.inspection.cli import CliError, check_writable
+
+    with pytest.raises(CliError, match="needs a file name"):
+        check_writable("--out", "")
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    with pytest.raises(CliError, match="is a file, not a folder"):
+        check_writable("--out", str(a_file / "r.html"))
+
+
+def test_op_names_spelt_as_module_classes_and_dunders_resolve():
+    from amp_fx.core.op_keys import op_name_of
+
+    spelt = {"nn.LayerNorm": "layer_norm", "Softmax": "softmax", "nn.Linear": "linear", "__add__": "add",
+             "__iadd__": "add", "__matmul__": "matmul"}
+    assert {s: op_name_of(s) for s in spelt} == spelt

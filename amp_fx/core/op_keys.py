@@ -217,12 +217,31 @@ def _function_name(target: Callable, args: tuple) -> tuple[str, bool]:
     return _PY_ALIASES.get(name, name), inplace
 
 
+_DUNDER_INPLACE = frozenset({"add", "sub", "mul", "truediv", "floordiv", "matmul", "pow", "and", "or", "xor"})
+
+
+def _module_type_op_name(module_type: type) -> str:
+    """The canonical op name of a torch.nn module class, as :func:`module_op_name` names its instances."""
+    for known, name in _MODULE_NAMES:
+        if issubclass(module_type, known) and not callable(name):
+            return name
+    snake = _CAMEL.sub("_", module_type.__name__).lower()
+    return snake.replace("pool", "_pool").replace("__", "_")
+
+
 def op_name_of(spelling: str) -> str:
     """The canonical name of an op however a user spells it: ``"torch.matmul"``, ``"F.softmax"``, ``"x.softmax_"``, ``"aten.softmax.int"``."""
     parts = spelling.strip().split(".")
     if len(parts) >= 3 and parts[-3] == "aten":  # an overload: "aten.softmax.int", "torch.ops.aten.add_.Tensor"
         parts = parts[:-1]
-    name, _ = _strip_inplace(parts[-1])
+    module_type = getattr(nn, parts[-1], None)
+    if isinstance(module_type, type) and issubclass(module_type, nn.Module):  # "nn.LayerNorm", "Softmax"
+        return _module_type_op_name(module_type)
+    last = parts[-1]
+    if last.startswith("__") and last.endswith("__") and len(last) > 4:  # "__add__", "__iadd__"
+        last = last[2:-2]
+        last = last[1:] + "_" if last.startswith("i") and last[1:] in _DUNDER_INPLACE else last
+    name, _ = _strip_inplace(last)
     return _ATEN_ALIASES.get(name, _PY_ALIASES.get(name, name))
 
 

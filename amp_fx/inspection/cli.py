@@ -140,10 +140,14 @@ def _build_model(args: argparse.Namespace) -> tuple[Any, tuple]:
 
 def check_writable(flag: str, path: str) -> None:
     """Refuse an output path amp_fx could not write, before any work is done; never creates a folder."""
+    if not path:
+        raise CliError(f"{flag} needs a file name, e.g. {flag} {'report.json' if flag == '--json' else 'graph.html'}")
     if os.path.isdir(path):
         example = os.path.join(path, "report.json" if flag == "--json" else "graph.html")
         raise CliError(f"{flag} {path!r} is a folder; give a file in it, e.g. {flag} {example}")
     folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise CliError(f"{flag} {path!r}: {folder!r} is a file, not a folder; write into a folder instead")
     if not os.path.isdir(folder):
         raise CliError(f"{flag} {path!r}: the folder {folder!r} does not exist; create it first "
                        f"(mkdir -p {folder}) or write into an existing folder")
