@@ -188,8 +188,7 @@ def module_op_name(module: nn.Module) -> str:
     if cls.__name__ == "GuardsFn" and cls.__module__.startswith("torch.export"):
         return "_guards_fn"  # the shape guards of an unlifted torch.export module
     if cls.__module__.startswith("torch.nn"):
-        snake = _CAMEL.sub("_", cls.__name__).lower()
-        return snake.replace("pool", "_pool").replace("__", "_")
+        return _snake_op_name(cls)
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -225,6 +224,11 @@ def _module_type_op_name(module_type: type) -> str:
     for known, name in _MODULE_NAMES:
         if issubclass(module_type, known) and not callable(name):
             return name
+    return _snake_op_name(module_type)
+
+
+def _snake_op_name(module_type: type) -> str:
+    """A torch.nn class's op name in snake_case: ``GELU`` -> ``"gelu"``, ``MaxPool2d`` -> ``"max_pool2d"``."""
     snake = _CAMEL.sub("_", module_type.__name__).lower()
     return snake.replace("pool", "_pool").replace("__", "_")
 
