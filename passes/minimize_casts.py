@@ -11,7 +11,7 @@ every *free* node:
 1. LOW-decided nodes are tied to the source, FP32-decided nodes to the sink;
    graph inputs, parameters and the model's own casts keep their dtype, and
    O2/O3's entry and exit casts stay.
-2. Free: FOLLOW ops from a safe list (elementwise, views, pooling, dropout)
+2. Free: FOLLOW ops from one table, ``_MOVABLE`` (elementwise, views, pooling, dropout)
    and PROMOTE ops, all of whose inputs are fp32 or low.  Nodes pinned by the
    policy, in-place ops (and whatever aliases what they write), leaf modules,
    ops with ``dtype=`` and anything else are not, and the values they read
@@ -26,9 +26,10 @@ every *free* node:
    low)`` needs no cast), so it may be fp32 only where a designated input is;
    a single-input op on the other side of its input casts that input.
 5. Precision is never lowered: a node the greedy paint runs in fp32 may move
-   low only if its op commutes with rounding (views, ``relu``, max pooling,
-   ...) and every reader rounds its result low anyway.  A residual ``add``
-   of an fp32 stream stays fp32, as under autocast.
+   low only if its op commutes with rounding forward and its backward sums
+   nothing (views, ``relu``, a ``cat`` of distinct values; not ``expand``,
+   ``repeat`` or a ``cat`` of copies) and every reader rounds its result low
+   anyway.  A residual ``add`` of an fp32 stream stays fp32, as under autocast.
 6. ``networkx.minimum_cut`` solves it; ties go to the greedy side.
 7. A free node whose new dtype is not what following its inputs gives is
    repainted ``"low"``/``"fp32"`` (reason ``"placed low: min-cut"``);
@@ -47,7 +48,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
 
 import networkx as nx
 import torch
@@ -65,39 +67,44 @@ logger = logging.getLogger("amp_fx.passes.minimize_casts")
 
 SOURCE, SINK = "<low>", "<fp32>"  # the two terminals: source side runs low
 
-# Placement rules (which ops may move), not dtype rules: the dtypes come from the analysis.
-# FOLLOW ops that compute a float tensor from float tensors: running them in
-# either precision is legal, and casting their input instead of their output
-# gives the same values up to rounding.
-_FREE_FOLLOW = frozenset({
-    # elementwise arithmetic and activations
-    "add", "sub", "mul", "div", "neg", "abs", "relu", "relu6", "gelu", "silu", "sigmoid", "tanh",
-    "leaky_relu", "elu", "selu", "celu", "hardswish", "hardsigmoid", "hardtanh", "mish", "clamp",
-    "clamp_min", "clamp_max", "where", "maximum", "minimum", "sqrt", "square", "sin", "cos",
-    "masked_fill", "lerp", "rsub", "threshold", "erf", "sign",
-    # views and copies (expand_as/view_as are not here: their second input gives only a shape)
-    "view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "contiguous", "expand",
-    "repeat", "squeeze", "unsqueeze", "narrow", "select", "slice", "index_select", "gather", "roll",
-    "flip", "clone", "detach", "identity", "pad", "constant_pad_nd", "tril", "triu", "alias",
-    "unsafe_view", "_unsafe_view", "getitem",
-    # windows, dropout, small reductions autocast leaves alone
-    "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
-    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "dropout", "mean", "amax", "amin",
+# Placement rules (which ops may move, and how far), not dtype rules: the dtypes come from the analysis.
+# One table: every op here computes a float tensor from float tensors and is legal in either precision,
+# so a FOLLOW node of it is free to move; the tag says the one property that decides how far.
+#   "exact":    narrowing its input gives exactly what narrowing its output gives (forward), AND its
+#               backward only moves gradients, never sums them.  Only these may move from fp32 to low;
+#               a use that repeats one value (``cat([x, x])``) still sums: see ``_exact_under_rounding``.
+#   "promotes": reads several tensors and may run in the widest of them (``add(fp32, low)`` needs no
+#               cast); computes (or broadcasts, whose backward sums), so it never moves fp32 to low.
+#   "computes": rounds differently when run low (``gelu``, ``mean``; ``amax``: rounding makes ties,
+#               which split the gradient): it may move to fp32, never from fp32 to low.
+#   "sums":     forward exact, but the backward sums gradients (``expand``, ``repeat``, gathers,
+#               overlapping max pooling, ``masked_fill`` broadcasting its input): summing them in the low
+#               dtype is less precise than autocast, so it never moves fp32 to low.
+# ``expand_as``/``view_as`` are not here: their second input gives only a shape.  ``cat``/``stack`` are
+# PROMOTE ops in the tables (they move with their inputs); their tag says whether they may move low.
+_MOVABLE: Mapping[str, str] = MappingProxyType({
+    **dict.fromkeys(("add", "sub", "mul", "div", "where", "maximum", "minimum", "lerp", "rsub"), "promotes"),
+    **dict.fromkeys((  # elementwise, exact under rounding
+        "relu", "relu6", "neg", "abs", "sign", "clamp", "clamp_min", "clamp_max", "hardtanh", "threshold",
+    ), "exact"),
+    **dict.fromkeys((  # elementwise, computing
+        "gelu", "silu", "sigmoid", "tanh", "leaky_relu", "elu", "selu", "celu", "hardswish", "hardsigmoid",
+        "mish", "sqrt", "square", "sin", "cos", "erf",
+    ), "computes"),
+    **dict.fromkeys((  # views, copies, layout: values moved, never combined
+        "view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "contiguous", "squeeze",
+        "unsqueeze", "narrow", "select", "slice", "flip", "roll", "clone", "detach", "identity", "pad",
+        "constant_pad_nd", "tril", "triu", "alias", "unsafe_view", "_unsafe_view", "getitem", "cat", "stack",
+    ), "exact"),
+    **dict.fromkeys(("expand", "repeat", "index_select", "gather", "masked_fill",
+                     "max_pool1d", "max_pool2d", "max_pool3d"), "sums"),
+    **dict.fromkeys((  # windows, dropout, small reductions autocast leaves alone
+        "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+        "adaptive_avg_pool3d", "dropout", "mean", "amax", "amin",
+    ), "computes"),
 })
-# Of those, the ones that read several tensors and may run in the widest of them.
-_PROMOTING_FOLLOW = frozenset({"add", "sub", "mul", "div", "where", "maximum", "minimum", "lerp", "rsub"})
-# Ops that commute with rounding to the low dtype, forward and backward: narrowing their
-# input gives exactly what narrowing their output gives, and their backward only moves
-# gradients (no sum).  Only these may move from fp32 to low; an op that computes (``add`` on
-# a residual stream, ``gelu``) would round its fp32 inputs first, and an op whose backward sums
-# (``expand``, ``repeat``, gathers, overlapping pooling, broadcasting binary ops) would sum
-# its gradient in the low dtype: either is less precise than autocast.
-_EXACT_UNDER_ROUNDING = frozenset({
-    "relu", "neg", "abs", "sign", "clamp", "clamp_min", "clamp_max", "hardtanh", "relu6", "threshold",
-    "view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "contiguous",
-    "squeeze", "unsqueeze", "narrow", "select", "slice", "flip", "roll", "clone", "detach", "identity",
-    "pad", "constant_pad_nd", "tril", "triu", "alias", "unsafe_view", "_unsafe_view", "getitem", "cat", "stack",
-})
+_PROMOTING_FOLLOW = frozenset(op for op, tag in _MOVABLE.items() if tag == "promotes")
+_EXACT_UNDER_ROUNDING = frozenset(op for op, tag in _MOVABLE.items() if tag == "exact")
 
 
 # --------------------------------------------------------------------------
@@ -306,14 +313,23 @@ def build_problem(gm: fx.GraphModule, ctx: PassContext, paint: dict, analysis: A
 
 
 def _exact_under_rounding(node: fx.Node) -> bool:
-    """The op commutes with rounding forward and backward (see ``_EXACT_UNDER_ROUNDING``); ``x[idx]`` with a tensor index is a gather."""
+    """The op commutes with rounding forward and backward (tag ``"exact"`` in ``_MOVABLE``) at this use.
+
+    ``x[idx]`` with a tensor index is a gather.  A node that reads one value
+    twice (``cat([x] * 64)``) is not exact either: autograd sums the
+    gradients of the copies into that value, in the low dtype were the node
+    moved low (measured: x.grad 3.6x further from fp64 than autocast's for
+    64 copies), so its backward sums like ``repeat``'s.
+    """
     if node.meta.get(meta.OP) not in _EXACT_UNDER_ROUNDING:
         return False
     if node.meta.get(meta.OP) == "getitem":
         indices: list[fx.Node] = []
         map_arg(node.args[1:], indices.append)
         return not indices
-    return True
+    uses: list[fx.Node] = []
+    map_arg((node.args, node.kwargs), uses.append)
+    return len(uses) == len(set(uses))
 
 
 def _keep_fp32_precision(problem: CastProblem, paint: dict, ctx: PassContext, low: torch.dtype) -> None:
@@ -359,7 +375,7 @@ def _free_kind(node: fx.Node, decision: str, kinds: dict, dtypes: dict, sided: d
     if decision == "promote":
         return "promote"
     op = m.get(meta.OP)
-    if op not in _FREE_FOLLOW:
+    if op not in _MOVABLE:
         return None
     if len(promoting) == 1:
         return "single"
