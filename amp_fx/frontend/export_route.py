@@ -14,10 +14,15 @@ the converted graph is for training and scoring (loss, logits); generation
 goes through ``generate`` (see :mod:`amp_fx.frontend.hf`).
 
 Shapes: without ``dynamic_shapes=`` the first dimension of every tensor input
-(the batch) and the second dimension of every input that shares the token
-inputs' length (the sequence) are ``Dim.AUTO``: dynamic unless the model
-fixes them, in which case export keeps them static instead of failing.
-:func:`shape_notes` says which dimensions ended up dynamic.
+(the batch) and the second dimension of every input that shares a token
+input's length (the sequences: an encoder-decoder's ``input_ids`` and
+``decoder_input_ids``/``labels`` each have their own) are ``Dim.AUTO``:
+dynamic unless the model fixes them, in which case export keeps them static
+instead of failing, with a warning and a report note.  :func:`shape_notes`
+says which dimensions ended up dynamic.  A call with another size where one
+is static raises :class:`~amp_fx.errors.AmpValueError` naming the input, the
+dimension and the fix; a ``dynamic_shapes=`` the model contradicts is refused
+at conversion (:mod:`amp_fx.frontend.export_shapes`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.export import Dim
+
+from amp_fx.frontend import export_shapes
 
 __all__ = ["split_constants", "default_dynamic_shapes", "export_module", "shape_notes"]
 
@@ -58,17 +65,19 @@ def split_constants(model: nn.Module, kwargs: Mapping[str, Any]) -> tuple[dict[s
 def default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: Mapping[str, torch.Tensor]) -> Optional[dict]:
     """``Dim.AUTO`` for the batch dimension of every tensor and the sequence dimension of token-length inputs.
 
-    The sequence length is the second dimension of the first integer tensor
-    with two or more dimensions (``input_ids``); any input with the same size
-    there (``attention_mask``, ``labels``, ``inputs_embeds``) gets it too.
+    The sequence lengths are the second dimensions of the integer tensors
+    with two or more dimensions (``input_ids``; an encoder-decoder's
+    ``decoder_input_ids`` and ``labels`` too, whatever their length); any
+    input with one of those sizes there (``attention_mask``,
+    ``inputs_embeds``) gets it too.  Each ``Dim.AUTO`` is its own size:
+    torch.export ties two only where the model requires it.
     Returns torch.export's ``dynamic_shapes`` keyed by forward's argument
     names, or None when there is no tensor input.
     """
     tensors = [v for v in list(args) + list(kwargs.values()) if isinstance(v, torch.Tensor)]
     if not tensors:
         return None
-    tokens = next((t for t in tensors if t.dim() >= 2 and not t.is_floating_point() and not t.is_complex()), None)
-    seq_len = tokens.shape[1] if tokens is not None else None
+    lengths = {t.shape[1] for t in tensors if t.dim() >= 2 and not t.is_floating_point() and not t.is_complex()}
     batch = tensors[0].shape[0] if tensors[0].dim() else None
 
     def spec(value: Any) -> Any:
@@ -77,7 +86,7 @@ def default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: Mapping[str, t
         dims = {}
         if value.shape[0] == batch:
             dims[0] = Dim.AUTO
-        if seq_len is not None and value.dim() >= 2 and value.shape[1] == seq_len:
+        if value.dim() >= 2 and value.shape[1] in lengths:
             dims[1] = Dim.AUTO
         return dims or None
 
@@ -138,15 +147,23 @@ def export_module(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
         shapes = dynamic_shapes
         if isinstance(shapes, Mapping) and not args:
             shapes = {k: v for k, v in shapes.items() if k in tensors}
-    exported = torch.export.export(bound, tuple(args), tensors, dynamic_shapes=shapes, strict=False)
-    if dynamic_shapes is None and shapes:
-        _warn_specialised(exported, shapes)
+    try:
+        exported = torch.export.export(bound, tuple(args), tensors, dynamic_shapes=shapes, strict=False)
+    except Exception as error:  # a dynamic_shapes= the model contradicts is refused naming the dimensions
+        export_shapes.refuse_constraint_violation(error, shapes, type(model).__name__)
+        raise
     notes = []
     if constants:
         notes.append("constants of the traced forward (not inputs of the converted module): "
                      + ", ".join(f"{k}={v!r}" for k, v in constants.items()))
+    if dynamic_shapes is None and shapes:
+        notes.extend(_warn_specialised(exported, shapes))
     notes.extend(shape_notes(exported))
-    return exported.module(), constants, notes
+    unlifted = exported.module()
+    # a call with another size where export specialised one raises AmpValueError naming it, not a bare AssertionError
+    export_shapes.explain_guard_failures(unlifted, _user_input_values(exported),
+                                         export_shapes.requested_dims(shapes))
+    return unlifted, constants, notes
 
 
 def _user_input_values(exported: Any) -> dict[str, Any]:
@@ -159,22 +176,25 @@ def _user_input_values(exported: Any) -> dict[str, Any]:
     return values
 
 
-def _warn_specialised(exported: Any, shapes: Mapping[str, Any]) -> None:
-    """Warn when a dimension amp_fx asked to keep dynamic came out static (a size-1 batch, a model that fixes it)."""
+def _warn_specialised(exported: Any, shapes: Mapping[str, Any]) -> list[str]:
+    """Warn when a dimension amp_fx asked to keep dynamic came out static (a size-1 batch, a model that fixes it); return the report note."""
     values = _user_input_values(exported)
     fixed = []
     for name, dims in shapes.items():
         value = values.get(name)
         if not dims or not isinstance(value, torch.Tensor):
             continue
-        fixed += [f"{name}.shape[{d}] == {value.shape[d]}" for d in dims if isinstance(value.shape[d], int)]
-    if fixed:
-        warnings.warn(
-            f"torch.export kept {', '.join(fixed)} static: the converted module only accepts that size there. "
-            "A size of 1 is always specialised (give an example with batch and sequence length of 2 or more); "
-            "otherwise the model fixes the size, or pass dynamic_shapes= to say what should vary.",
-            stacklevel=4,
-        )
+        fixed += [f"{name}.shape[{d}] == {export_shapes.static_size(value.shape[d])}" for d in dims
+                  if export_shapes.static_size(value.shape[d]) is not None]
+    if not fixed:
+        return []
+    message = (
+        f"torch.export kept {', '.join(fixed)} static: the converted module only accepts that size there. "
+        "A size of 1 is always specialised (give an example with batch and sequence length of 2 or more); "
+        "otherwise the model fixes the size, or pass dynamic_shapes= to say what should vary."
+    )
+    warnings.warn(message, stacklevel=4)
+    return [message]
 
 
 def shape_notes(exported: Any) -> list[str]:
@@ -183,7 +203,7 @@ def shape_notes(exported: Any) -> list[str]:
     for name, value in _user_input_values(exported).items():
         if not isinstance(value, torch.Tensor):
             continue
-        sizes = ["?" if not isinstance(s, int) else str(s) for s in value.shape]
+        sizes = [str(export_shapes.static_size(s)) if export_shapes.static_size(s) is not None else "?" for s in value.shape]
         (dynamic if "?" in sizes else static).append(f"{name}[{', '.join(sizes)}]")
     notes = []
     if dynamic:
