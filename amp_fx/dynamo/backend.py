@@ -14,7 +14,10 @@ or ``torch.compile(m, backend="amp_fx", options={"level": "O1", "inner": "aot_ea
 
 Reports: :func:`last_report` returns the :class:`~amp_fx.dynamo.report.CompiledReport`
 of the model compiled (or recompiled) last, covering all its graphs; an
-:class:`AmpBackend` object also keeps its own in ``.report``.
+:class:`AmpBackend` object also keeps its own in ``.report``.  When Dynamo
+skips a model's frames or breaks them before every GEMM, so that nothing is
+converted, :mod:`amp_fx.dynamo.watch` warns (``NothingConvertedWarning``)
+and the report says why.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import torch.fx as fx
 
 from amp_fx.dynamo.bodies import convert_bodies, describe_region_nodes
 from amp_fx.dynamo.graph import placeholder_params, relative_module_stacks
-from amp_fx.dynamo.report import CompiledReport
+from amp_fx.dynamo import watch
+from amp_fx.dynamo.report import CompiledReport, last_published, publish
 from amp_fx.core.config import AmpConfig, make_config
 from amp_fx.core.devices import device_type_of
 from amp_fx.core.outer_autocast import call_without_outer_autocast, no_outer_autocast
@@ -49,7 +53,6 @@ _PARAM_LEVELS = ("O2", "O3")
 # backend()'s own keywords; every other option is an AmpConfig field (make_config's overrides).
 _BACKEND_OPTIONS = ("level", "dtype", "policy", "pad_gemm", "inner")
 _CONFIG_OPTIONS = frozenset(f.name for f in dataclasses.fields(AmpConfig))
-_LAST: list[Optional[CompiledReport]] = [None]
 
 
 def _o2_error(level: str) -> AmpValueError:
@@ -166,7 +169,9 @@ class AmpBackend:
         self.policy = Policy.coerce(policy)
         self.inner_fn, self.inner_name = _resolve_inner(inner)
         self.report = self._new_report()
+        self.watches = watch.Watches()  # per compiled model: did Dynamo leave anything to convert?
         self.__name__ = f"amp_fx[{self.config.level},{self.inner_name}]"
+        watch.ensure_watching()
 
     def _new_report(self) -> CompiledReport:
         dtype_name = str(self.config.dtype).replace("torch.", "") if self.config.dtype else "auto"
@@ -177,6 +182,7 @@ class AmpBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         """Convert ``gm`` (in place), record its report, and return the inner backend's compiled callable."""
+        watch.ensure_watching()  # again after a torch._dynamo.reset(), for the model's next frames
         with no_outer_autocast():
             device = device_type_of(gm, example_inputs)
             config = self.config
@@ -201,13 +207,20 @@ class AmpBackend:
                     _refresh_example_values(gm)
             describe_region_nodes(report)
             name = _graph_name(gm)
+            before = len(self.report.graphs)
             self.report.add(compile_id, name, report)
             for body_name, op, _, body_report in bodies:
                 self.report.add(compile_id, f"{name} / {op} body {body_name}", body_report, region=op)
-            _LAST[0] = self.report
+            publish(self.report)
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("converted Dynamo graph %s: %s", compile_id, report.totals())
-            compiled = self.inner_fn(gm, example_inputs)
+            try:
+                compiled = self.inner_fn(gm, example_inputs)
+            except BaseException:
+                # The graph never runs (with suppress_errors Dynamo runs the frame eagerly): the report keeps graphs that do.
+                del self.report.graphs[before:]
+                raise
+            watch.graph_converted(compile_id, low=bool(report.count("low") or any(b[3].count("low") for b in bodies)))
         return _without_outer_autocast(compiled)
 
     def _convert_body(self, config: Any, device: str, compile_id: str, body: fx.GraphModule,
@@ -222,6 +235,7 @@ class AmpBackend:
     def reset(self) -> None:
         """Called by ``torch._dynamo.reset()``: later graphs go to a fresh report (a held one stays intact)."""
         self.report = self._new_report()
+        self.watches = watch.Watches()
         reset = getattr(self.inner_fn, "reset", None)
         if callable(reset):
             reset()
@@ -288,8 +302,8 @@ def _calling_wrapper() -> Any:
     return None
 
 
-def _backend_for(options: Mapping[str, Any]) -> AmpBackend:
-    wrapper = _calling_wrapper()
+def _backend_for(options: Mapping[str, Any], wrapper: Any = None) -> AmpBackend:
+    wrapper = wrapper if wrapper is not None else _calling_wrapper()
     if wrapper is not None:
         _BY_WRAPPER[:] = [(ref, be) for ref, be in _BY_WRAPPER if ref() is not None]
         for ref, be in _BY_WRAPPER:
@@ -304,8 +318,8 @@ def _backend_for(options: Mapping[str, Any]) -> AmpBackend:
     return _BY_SETTINGS[key]
 
 
-def amp_fx_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: Optional[Mapping[str, Any]] = None,
-                   mode: Optional[str] = None) -> Callable:
+def _amp_fx_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: Optional[Mapping[str, Any]] = None,
+                    mode: Optional[str] = None) -> Callable:
     """The backend registered as ``"amp_fx"``; ``torch.compile(..., options={...})`` passes :func:`backend`'s keywords."""
     if mode not in (None, "default"):
         raise AmpValueError(
@@ -322,13 +336,64 @@ def _reset_registered() -> None:
         be.reset()
 
 
-amp_fx_backend.reset = _reset_registered  # type: ignore[attr-defined]
+_amp_fx_backend.reset = _reset_registered  # type: ignore[attr-defined]
+
+
+def _watched_backend(compiler_fn: Any) -> Optional[tuple[Any, AmpBackend]]:
+    """The compiled model and the AmpBackend a Dynamo compile's ``compiler_fn`` stands for; None if not amp_fx.
+
+    Dynamo wraps the backend for debugging (``_torchdynamo_orig_backend``) and
+    ``torch.compile`` in one ``_TorchCompileWrapper`` per call: that wrapper
+    is the compiled model.  Level O0 converts nothing by design: not watched.
+    """
+    wrapper_type = getattr(torch, "_TorchCompileWrapper", None)
+    wrapper = None
+    for _ in range(8):
+        if isinstance(compiler_fn, AmpBackend):
+            found = compiler_fn
+        elif wrapper_type is not None and isinstance(compiler_fn, wrapper_type):
+            wrapper, compiler_fn = compiler_fn, compiler_fn.compiler_fn
+            continue
+        elif compiler_fn is _amp_fx_backend and wrapper is not None:
+            found = _backend_for(dict(wrapper.kwargs.get("options") or {}), wrapper)
+        else:
+            compiler_fn = getattr(compiler_fn, "_torchdynamo_orig_backend", None)
+            if compiler_fn is None:
+                return None
+            continue
+        return None if found.config.level == "O0" else (wrapper if wrapper is not None else found, found)
+    return None
+
+
+watch.set_resolver(_watched_backend)
+watch.ensure_watching()  # when torch._dynamo was imported first (or Dynamo's entry point imports this module)
+
+
+def __getattr__(name: str) -> Any:
+    # "amp_fx" is an entry point: the first torch.compile(..., backend="amp_fx") of a process reads this name,
+    # after importing torch._dynamo, so a model whose every frame Dynamo skips is watched even when `import amp_fx`
+    # came first (when the callbacks could not be registered without importing Dynamo).
+    if name == "amp_fx_backend":
+        watch.ensure_watching()
+        return _amp_fx_backend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "amp_fx_backend"})
 
 
 def last_report() -> Optional[CompiledReport]:
     """The report of the model compiled (or recompiled) last with the amp_fx backend: all its graphs.
 
-    None before any graph was converted.  For a particular model, keep the
-    backend object: ``be = amp_fx.backend(...); torch.compile(m, backend=be); ...; be.report``.
+    When Dynamo skipped that model's frames or broke them before every GEMM,
+    so that nothing was converted, the report says so first
+    (``report.nothing_converted`` is True, ``report.breaks`` holds Dynamo's
+    reasons, and ``print(report)`` begins ``nothing converted: Dynamo skipped
+    forward (model.py:12) because: ...``).  None while no model compiled with
+    an amp_fx backend has run since the process started.  For a particular
+    model, keep the backend object: ``be = amp_fx.backend(...);
+    torch.compile(m, backend=be); ...; be.report``.
     """
-    return _LAST[0]
+    watch.ensure_watching()
+    return last_published()

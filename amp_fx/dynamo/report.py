@@ -1,14 +1,24 @@
-"""CompiledReport: the conversion reports of every graph Dynamo handed the amp_fx backend for one model."""
+"""CompiledReport: the conversion reports of every graph Dynamo handed the amp_fx backend for one model.
+
+It also keeps what Dynamo did *not* hand over (:class:`DynamoBreak`: frames
+it skipped, graph breaks), so that a model that ran in fp32 because of
+Dynamo says so (:attr:`CompiledReport.nothing_converted`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from amp_fx.core.report import ConversionReport, NodeRecord
 
-__all__ = ["CompiledReport", "GraphReport"]
+__all__ = ["CompiledReport", "GraphReport", "DynamoBreak", "publish", "last_published"]
+
+# The ways out when Dynamo leaves nothing to convert; the warning and the report both say them.
+FIXES = ("torch._dynamo.explain(model)(*inputs) lists every graph break; amp_fx.convert(model, 'O1', "
+         "example_inputs=(...)) converts without Dynamo (the torch.export route)")
 
 _SUMMED = ("low_nodes", "fp32_nodes", "follow_nodes", "promote_nodes", "casts_inserted", "weight_casts")
 
@@ -28,6 +38,33 @@ class GraphReport:
     region: Optional[str] = None
 
 
+@dataclass(frozen=True)
+class DynamoBreak:
+    """Something Dynamo did instead of handing the backend a graph: it skipped a frame or broke its graph.
+
+    ``kind`` is ``"frame skipped"`` (the whole frame ran eagerly), ``"graph
+    break"`` (the code around the break ran eagerly) or ``"compile failed"``;
+    ``frame`` the function's name, ``where`` its ``file:line``, ``at`` the
+    ``file:line`` where Dynamo stopped (None if unknown), ``reason`` Dynamo's
+    reason shortened to its titles and explanations, ``hints`` Dynamo's own
+    hints, ``compile_id`` Dynamo's compile id (``"frame/recompile"``).
+    """
+
+    kind: str
+    frame: str
+    where: str
+    reason: str
+    at: Optional[str] = None
+    hints: tuple[str, ...] = ()
+    compile_id: str = "?"
+
+    def __str__(self) -> str:
+        verb = {"frame skipped": "skipped", "graph break": "broke the graph of",
+                "compile failed": "failed to compile"}.get(self.kind, self.kind)
+        at = f", at {self.at}" if self.at else ""
+        return f"Dynamo {verb} {self.frame} ({self.where}{at}) because: {self.reason}"
+
+
 @dataclass
 class CompiledReport:
     """All graphs one compiled model was split into (graph breaks) or recompiled as, with combined totals.
@@ -43,6 +80,7 @@ class CompiledReport:
     inner: str
     graphs: list[GraphReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    breaks: list[DynamoBreak] = field(default_factory=list)
 
     def add(self, compile_id: str, name: str, report: ConversionReport, region: Optional[str] = None) -> None:
         """Record one more converted graph (``region``: the higher-order op whose body it is, if any)."""
@@ -51,6 +89,29 @@ class CompiledReport:
     def clear(self) -> None:
         """Forget every graph (``torch._dynamo.reset()`` discards the compiled code they belong to)."""
         self.graphs.clear()
+        self.breaks.clear()
+
+    @property
+    def low_graphs(self) -> int:
+        """How many converted graphs (region bodies included) hold at least one low-precision op."""
+        return sum(1 for report in self if report.count("low"))
+
+    @property
+    def nothing_converted(self) -> bool:
+        """True when Dynamo skipped or broke this model's frames and no graph amp_fx saw holds a low-precision op.
+
+        The model then ran in fp32 because of Dynamo, not because it had
+        nothing to convert: a function with no GEMM whose graphs Dynamo
+        captured whole is not counted (its ``breaks`` are empty).
+        """
+        return bool(self.breaks) and self.low_graphs == 0
+
+    def hints(self) -> list[str]:
+        """Dynamo's own hints for every skip and break, each once, in order."""
+        out: list[str] = []
+        for event in self.breaks:
+            out.extend(hint for hint in event.hints if hint not in out)
+        return out
 
     # -- access -----------------------------------------------------------
     def __len__(self) -> int:
@@ -109,7 +170,8 @@ class CompiledReport:
         """JSON-serialisable form: combined totals plus each graph's report."""
         return {
             "level": self.level, "dtype": self.dtype, "inner": self.inner, "totals": self.totals(),
-            "notes": list(self.notes),
+            "notes": list(self.notes), "nothing_converted": self.nothing_converted,
+            "breaks": [dataclasses.asdict(event) for event in self.breaks],
             "graphs": [{"compile_id": g.compile_id, "name": g.name, "region": g.region, **g.report.to_dict()}
                        for g in self.graphs],
         }
@@ -120,16 +182,39 @@ class CompiledReport:
 
     def __str__(self) -> str:
         t = self.totals()
-        lines = [
+        lines = []
+        if self.nothing_converted:
+            # Said first: every number below is zero because of it.
+            lines.append(f"nothing converted: {self.breaks[0]}")
+            lines.extend(f"  and: {event}" for event in self.breaks[1:])
+            lines.extend(f"  Dynamo's hint: {hint}" for hint in self.hints())
+            lines.append(f"  {FIXES}")
+        lines += [
             f"amp_fx compiler backend: level {self.level}, dtype {self.dtype}, inner backend {self.inner}, "
             f"{t['graphs']} graph(s)" + (f" + {t['region_bodies']} region bodies" if t["region_bodies"] else ""),
             f"  low {t['low_nodes']} | fp32 {t['fp32_nodes']} | follow {t['follow_nodes']} | promote {t['promote_nodes']} nodes; "
             f"{t['casts_inserted']} casts inserted ({t['weight_casts']} of weights)",
         ]
         lines.extend(f"  note: {n}" for n in self.notes)
+        if not self.nothing_converted:
+            lines.extend(f"  eager (fp32): {event}" for event in self.breaks)
         for index, graph in enumerate(self.graphs):
             lines.append(f"-- graph g{index} (compile id {graph.compile_id}, {graph.name})")
             lines.extend("  " + line for line in str(graph.report).splitlines())
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+# The report of the model compiled (or recompiled, or skipped by Dynamo) last.
+_LAST: list[Optional[CompiledReport]] = [None]
+
+
+def publish(report: CompiledReport) -> None:
+    """Make ``report`` the one :func:`amp_fx.last_report` returns."""
+    _LAST[0] = report
+
+
+def last_published() -> Optional[CompiledReport]:
+    """The report :func:`publish` was given last, or None."""
+    return _LAST[0]
