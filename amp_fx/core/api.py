@@ -3,7 +3,10 @@
 ``convert`` never mutates the model it is given.  At O0 and O1 the
 converted module shares the model's parameters (training it trains the
 model); at O2 and O3 it owns low-precision copies, and the model's own fp32
-parameters become the master weights (``converted.amp_fx_masters``).
+parameters become the master weights (``converted.amp_fx_masters``).  Its
+buffers are the model's own tensors wherever they keep their dtype, and the
+low copies of the others are written back after a forward that changes them
+(:mod:`amp_fx.core.buffer_state`), so the model is trained too.
 """
 
 from __future__ import annotations
@@ -17,14 +20,17 @@ import torch.fx as fx
 import torch.nn as nn
 
 from amp_fx.core import tables
+from amp_fx.core.buffer_state import attach_buffer_sources, copy_sharing_buffers
 from amp_fx.core.config import AmpConfig, make_config
 from amp_fx.core.devices import device_type_of
 from amp_fx.errors import AlreadyConvertedError, AmpTypeError, AmpValueError, checks_keywords, did_you_mean
 from amp_fx.core.graph_module import ROUTE_ATTR, AmpGraphModule, attach_masters, switching_modes
 from amp_fx.core.op_keys import CAST_OPS, canonical_op
+from amp_fx.core.live_hooks import RECIPE_ATTR, ConversionRecipe
 from amp_fx.core.pass_manager import PassContext
 from amp_fx.core.pipeline import rewrite_graph
 from amp_fx.core.policy import Policy
+from amp_fx.frontend.module_hooks import CALLED_ATTR
 from amp_fx.frontend.tracing import _TRACE_LOCK, trace_model
 
 __all__ = ["convert"]
@@ -172,9 +178,11 @@ def convert(
         cache_casts: reuse each parameter's low-precision cast across
             forwards where autograd does not record it (``no_grad``,
             ``inference_mode``, frozen parameters), until the parameter
-            changes (default False: a write through ``p.data`` bypasses the
-            version counter that invalidates the cache, so turn it on only
-            where weights change through ordinary ops; :mod:`amp_fx.core.cast_cache`).
+            changes (default False). Hazard: a write through ``p.data``
+            (``p.data.mul_(0.5)``) bumps no version counter and is not
+            detected (only reading the whole weight could tell), so the old
+            cast is served; after one call ``gm.clear_cast_cache()``, or write
+            under ``torch.no_grad()`` without ``.data`` (:mod:`amp_fx.core.cast_cache`).
         leaf_modules: module types or names to keep whole (not traced into).
         on_unknown_op: ``"follow"`` (default), ``"fp32"`` or ``"error"`` for
             ops in no table.
@@ -187,7 +195,21 @@ def convert(
 
     The result is an :class:`AmpGraphModule` with ``amp_report`` (every
     decision and why) and ``amp_config``.
+
+    Module hooks keep their meaning (:mod:`amp_fx.frontend.module_hooks`):
+    forward pre-hooks, forward hooks (``with_kwargs``, ``always_call``, results
+    that replace inputs or outputs), full backward hooks and backward
+    pre-hooks registered on the model's modules fire at run time as in eager,
+    with the same arguments (what arrives under autocast: a Linear's output
+    low) and order, each given the module it was registered on.  They are read
+    live: removing one from the model removes its effect.  A hook registered
+    on ``result.get_submodule(path)`` fires too and does not reach the model;
+    one registered after conversion on a module the graph inlines makes the
+    first call after it rebuild the graph (:mod:`amp_fx.core.live_hooks`).
+    Global module hooks, deprecated ``register_backward_hook`` hooks and hooks
+    on the torch.export route are refused, naming the route that works.
     """
+    recipe_options = {k: v for k, v in locals().items() if k != "model"}  # convert's arguments, for a rebuild
     _check_model(model)
     _check_inputs(example_inputs, example_kwarg_inputs)
     device = device_type_of(model, list(example_inputs or ()) + list((example_kwarg_inputs or {}).values()))
@@ -204,12 +226,13 @@ def convert(
     _check_leaf_names(leaf_modules, module_names)
 
     owns_params = config.cast_params
-    source = copy.deepcopy(model) if owns_params else model
+    # O2/O3 cast the copy's parameters; its buffers stay the model's tensors (amp_fx/core/buffer_state.py)
+    source = copy_sharing_buffers(model) if owns_params else model
     gm, route = trace_model(
         source, leaf_modules=leaf_modules,
         example_inputs=tuple(example_inputs) if example_inputs is not None else None,
         example_kwarg_inputs=dict(example_kwarg_inputs) if example_kwarg_inputs else None,
-        module_class=AmpGraphModule, dynamic_shapes=dynamic_shapes,
+        module_class=AmpGraphModule, dynamic_shapes=dynamic_shapes, hook_originals=model,
     )
     _copy_missing_state(gm, source)
     policy.check_op_names((canonical_op(n, gm) for n in gm.graph.nodes if n.op.startswith("call")), set().union(*tables.all_tables().values(), CAST_OPS))
@@ -235,6 +258,10 @@ def convert(
     result.amp_fx_input_dtypes = {key: value.dtype for key, value in examples.items()
                                   if isinstance(value, torch.Tensor) and value.is_floating_point()}
     result.amp_fx_source_dtypes = dict(ctx.source_dtypes)
+    # hooks registered later on a module forward calls rebuild the graph (amp_fx/core/live_hooks.py)
+    setattr(result, RECIPE_ATTR, ConversionRecipe(model, recipe_options, getattr(result.graph, CALLED_ATTR, frozenset())))
     if config.master_weights and owns_params:
-        attach_masters(result, dict(model.named_parameters()))
+        attach_masters(result, dict(model.named_parameters(remove_duplicate=False)))
+    if owns_params:
+        attach_buffer_sources(result, model)
     return result

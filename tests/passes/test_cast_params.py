@@ -81,3 +81,30 @@ def test_the_source_dtypes_recorded_give_back_the_models_state_dict():
     assert {k: v.dtype for k, v in state.items()} == {k: v.dtype for k, v in model.state_dict().items()}
     # The low copy is its master rounded, so the master itself is saved: full fp32 precision.
     assert torch.equal(state["fc.weight"], model.fc.weight.detach())
+
+
+class WritesBuffers(nn.Module):
+    """An fp32 EMA written in place through a view (kept fp32), a constant buffer (cast), a tied weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.out = nn.Linear(D, D)
+        self.out.weight = self.fc.weight
+        self.register_buffer("ema", torch.zeros(D))
+        self.register_buffer("scale", torch.full((D,), 1.1))
+
+    def forward(self, x):
+        h = self.out(self.fc(x)) * self.scale
+        self.ema.view(-1).mul_(0.9).add_(0.1 * h.detach().mean(0))
+        return h
+
+
+def test_a_buffer_written_in_place_keeps_its_dtype_and_every_name_of_a_tie_is_recorded():
+    """Accumulated state stays in its dtype (an EMA loses its small updates in bf16); constants go low."""
+    gm = check(cast_params, WritesBuffers(), _inputs(), level="O2", expect_modified=True, finish=True, atol=0.1)
+    dtypes = _dtypes(gm)
+    assert dtypes["ema"] == torch.float32 and dtypes["scale"] == torch.bfloat16 and dtypes["fc.weight"] == torch.bfloat16
+    converted = amp_fx.convert(WritesBuffers(), "O2")
+    assert converted.amp_report.passes["cast_params"]["kept_written"] == ["ema"]
+    assert set(converted.amp_fx_source_dtypes) == {"fc.weight", "fc.bias", "out.weight", "out.bias", "scale"}
