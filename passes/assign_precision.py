@@ -49,6 +49,8 @@ logger = logging.getLogger("amp_fx.passes.assign_precision")
 # take low input with fp32 statistics, so they follow.
 _STAT_NORMS = frozenset({"layer_norm", "group_norm", "rms_norm"})
 _FOLLOWING_NORMS = frozenset({"batch_norm", "instance_norm"})
+# The nodes around a hooked module (amp_fx/frontend/module_hooks.py): follow, never counted as unknown ops.
+_HOOK_OPS = frozenset({"module_hook_enter", "module_hook_exit", "module_hook_value"})
 
 
 def _where(node: fx.Node) -> str:
@@ -107,6 +109,8 @@ def _decide(node: fx.Node, ctx: PassContext) -> tuple[str, str, str]:
     if role is not None:
         return "none", f"the model's {role[1]} region ({role[0]})", "grad-mode" if role[1] == "grad" else "autocast"
     op = node.meta.get("amp_fx.op") or str(node.target)
+    if op in _HOOK_OPS:  # before policies: hooks change nothing about precision
+        return "follow", "module hook boundary: runs the module's hooks, computes nothing", "hooks"
     if op in CAST_OPS:
         return "cast", "explicit cast", "model"
     if op in tables.EXPORT_CHECKS:

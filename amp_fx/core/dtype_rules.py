@@ -44,6 +44,10 @@ _NON_FLOAT_CASTS = frozenset({"long", "int", "bool", "short", "byte", "char"})
 # Complex numbers in and out: ops whose result is the real part of a complex input, and ops that make complex values.
 _COMPLEX_TO_REAL = frozenset({"view_as_real", "real", "imag", "abs", "angle"})
 _COMPLEX_RESULT = frozenset({"view_as_complex", "polar", "complex"})
+# Module hook boundaries (amp_fx/frontend/module_hooks.py): enter/exit pass a token, and
+# module_hook_value(x, token, i) is x as the hooks left it -- the same dtype, so no guarded casts.
+_HOOK_TOKENS = frozenset({"module_hook_enter", "module_hook_exit"})
+_HOOK_VALUE = "module_hook_value"
 
 
 def widest(dtypes: list[Optional[torch.dtype]]) -> Optional[torch.dtype]:
@@ -101,8 +105,11 @@ def rule_value(node: fx.Node, decision: str, inputs: Mapping[fx.Node, ValueInfo]
                 gm: fx.GraphModule) -> ValueInfo:
     """Dtype-only mode: the op's result rule (see the module docstring, step 4)."""
     op = node.meta.get(meta.OP)
-    if op in _NON_TENSOR_RESULT or (node.op == "call_method" and node.target in _NON_TENSOR_RESULT):
+    if op in _NON_TENSOR_RESULT or (node.op == "call_method" and node.target in _NON_TENSOR_RESULT) or op in _HOOK_TOKENS:
         return ValueInfo.non_tensor()
+    if op == _HOOK_VALUE and node.args and isinstance(node.args[0], fx.Node) and node.args[0] in inputs:
+        passed = inputs[node.args[0]]
+        return ValueInfo(passed.is_tensor, passed.is_float, passed.float_dtype, passed.dtype, passed.shape, passed.container)
     if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
         return _attribute_value(node.args[1], inputs.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None)
     if node.op == "call_method" and node.target in _NON_FLOAT_CASTS:

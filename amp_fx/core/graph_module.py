@@ -23,9 +23,11 @@ It is an ordinary ``torch.fx.GraphModule`` with three additions:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import copy
+import functools
 import warnings
 from typing import Any, Iterator, Optional
 
@@ -33,23 +35,60 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from amp_fx.core.buffer_state import SOURCES_ATTR, load_buffer_sources, source_value
+from amp_fx.core.live_hooks import RECIPE_ATTR, STATE_ATTR, check_hooks
 from amp_fx.core.outer_autocast import call_without_outer_autocast
+from amp_fx.frontend.hook_dispatch import COMPUTATION_HOOKS
+from amp_fx.frontend.module_hooks import ORIGINALS_ATTR, bind_sites
+from amp_fx.core.step_guard import guard_low_parameters
 from amp_fx.frontend.train_flags import FROZEN_ATTR
-from amp_fx.errors import AmpTypeError
+from amp_fx.errors import AmpTypeError, AmpValueError
 
 __all__ = ["AmpGraphModule", "AMP_ATTRIBUTES", "FrozenTrainingWarning", "switching_modes"]
 
 # Attributes that describe a conversion; carried through deepcopy and pickle.
 ROUTE_ATTR = "amp_fx_route"  # how the model was traced: "symbolic_trace" or "torch.export"
-AMP_ATTRIBUTES = ("amp_report", "amp_config", "amp_fx_masters", "amp_fx_source_dtypes", "amp_fx_input_dtypes", ROUTE_ATTR, FROZEN_ATTR)
+AMP_ATTRIBUTES = ("amp_report", "amp_config", "amp_fx_masters", "amp_fx_source_dtypes", "amp_fx_input_dtypes", ROUTE_ATTR, FROZEN_ATTR,
+                  SOURCES_ATTR, RECIPE_ATTR)
 
 
 class FrozenTrainingWarning(UserWarning):
     """.train()/.eval() changed a mode that the converted graph was specialised to."""
 
 
-def _shallow_clone(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
-    """A new module object with the same parameter and buffer tensors, and its own flags, hooks and children."""
+# A module's forward/backward hook dicts (amp_fx/frontend/module_hooks.py reads the original's live).
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _clone_hooks(clone: nn.Module, module: nn.Module, original: Optional[nn.Module], inside_leaf: bool) -> None:
+    """Give ``clone`` its hook dicts (see :func:`_own_modules`)."""
+    if original is None:
+        return  # not cloned from a traced model (an unpickled copy): its hooks are its own, copied
+    if inside_leaf:
+        # The leaf calls this submodule itself: sharing the original's dicts is how it sees them live.
+        for key in _HOOK_DICTS:
+            if key in original.__dict__:
+                clone.__dict__[key] = original.__dict__[key]
+        clone.__dict__["_is_full_backward_hook"] = True  # a full backward hook registered later must run
+        return
+    for key in _HOOK_DICTS:
+        clone.__dict__[key] = collections.OrderedDict()
+    clone.__dict__["_is_full_backward_hook"] = None
+    for key, hook in module.__dict__.get("_forward_pre_hooks", {}).items():  # weight_norm & co. compute the weight: they stay
+        if isinstance(hook, COMPUTATION_HOOKS):
+            clone._forward_pre_hooks[key] = hook
+
+
+def _shallow_clone(module: nn.Module, memo: dict[int, nn.Module], originals: Optional[dict] = None, path: str = "",
+                   leaves: frozenset = frozenset(), inside_leaf: bool = False) -> nn.Module:
+    """A new module object with the same parameter and buffer tensors, and its own flags, hooks and children.
+
+    ``originals`` (path -> weak reference to the original model's module, from
+    the tracer) says where the hooks live: the clone starts without them (the
+    graph's hook boundaries read the original's live), except a submodule of a
+    leaf in ``leaves``, which shares the original's hook dicts.
+    """
     if id(module) in memo:
         return memo[id(module)]
     clone = copy.copy(module)
@@ -58,34 +97,58 @@ def _shallow_clone(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
         # _parameters, _buffers, hook dicts, RNN's _flat_weights: new containers, same tensors
         if isinstance(value, (dict, list, set)):
             clone.__dict__[key] = copy.copy(value)
+    if originals is not None:
+        ref = originals.get(path)
+        _clone_hooks(clone, module, ref() if ref is not None else None, inside_leaf)
+    below = inside_leaf or path in leaves
     clone.__dict__["_modules"] = type(module._modules)(
-        (name, None if child is None else _shallow_clone(child, memo)) for name, child in module._modules.items())
+        (name, None if child is None else _shallow_clone(child, memo, originals, f"{path}.{name}" if path else name, leaves, below))
+        for name, child in module._modules.items())
     return clone
 
 
 def _own_modules(gm: nn.Module, root: nn.Module) -> None:
-    """Replace every submodule ``gm`` shares with ``root`` by a shallow clone; copy ``root``'s flags by path."""
-    originals = {id(m) for m in root.modules()}
+    """Replace every submodule ``gm`` shares with ``root`` by a shallow clone; copy ``root``'s flags by path.
+
+    The clones' hooks: see :func:`_shallow_clone`.  Then the graph's hook
+    boundaries are bound to ``gm`` (amp_fx/frontend/module_hooks.py).
+    """
+    shared = {id(m) for m in root.modules()}
+    originals = getattr(gm.graph, ORIGINALS_ATTR, None)
+    leaves = frozenset(str(n.target) for n in gm.graph.nodes if n.op == "call_module")
     memo: dict[int, nn.Module] = {}
 
-    def walk(parent: nn.Module) -> None:
+    def walk(parent: nn.Module, prefix: str) -> None:
         for name, child in list(parent._modules.items()):
             if child is None:
                 continue
-            if id(child) in originals:
-                parent._modules[name] = _shallow_clone(child, memo)
-            else:
-                walk(child)
+            path = f"{prefix}.{name}" if prefix else name
+            if id(child) in shared:
+                parent._modules[name] = _shallow_clone(child, memo, originals, path, leaves)
+                continue
+            source = sources.get(path)
+            if originals is None and source is not None and type(child) is nn.Module:
+                for key in (*_HOOK_DICTS, "_is_full_backward_hook"):  # fx's fresh container: keep an unpickled one's hooks
+                    if key in source.__dict__:
+                        child.__dict__[key] = copy.copy(source.__dict__[key])
+            walk(child, path)
 
-    walk(gm)
     sources = dict(root.named_modules())
+    walk(gm, "")
     for path, module in gm.named_modules():
         source = sources.get(path)
         if source is not None and path and isinstance(source.training, bool):
             module.training = source.training
+    bind_sites(gm)
 
 
 MASTER_ATTR = "_amp_fx_master"  # on an O2 low parameter: the fp32 master it was cast from
+
+
+def _aliases(module: nn.Module) -> dict[str, str]:
+    """Every parameter name -> the one ``named_parameters()`` gives its tensor (a tied weight has two names)."""
+    first: dict[int, str] = {}
+    return {name: first.setdefault(id(p), name) for name, p in module.named_parameters(remove_duplicate=False)}
 
 
 def attach_masters(module: nn.Module, originals: dict[str, torch.Tensor]) -> None:
@@ -93,12 +156,22 @@ def attach_masters(module: nn.Module, originals: dict[str, torch.Tensor]) -> Non
 
     On the module (``amp_fx_masters``, for ``MasterWeightOptimizer(opt, module)``)
     and on each low parameter, so that a tensor handed to ``add_param_group``
-    alone still finds its master.
+    alone still finds its master.  A tied weight has one master, keyed by the
+    name ``module.named_parameters()`` gives it, found under any of its names
+    in ``originals`` (pass ``named_parameters(remove_duplicate=False)``).
     """
-    module.amp_fx_masters = {name: originals[name] for name, _ in module.named_parameters() if name in originals}
+    names: dict[str, list[str]] = {}
+    for alias, name in _aliases(module).items():
+        names.setdefault(name, []).append(alias)
+    module.amp_fx_masters = {}
+    for name, aliases in names.items():
+        found = next((originals[a] for a in aliases if a in originals), None)
+        if found is not None:
+            module.amp_fx_masters[name] = found
     for name, param in module.named_parameters():
         if name in module.amp_fx_masters and param is not module.amp_fx_masters[name]:
             setattr(param, MASTER_ATTR, module.amp_fx_masters[name])
+    guard_low_parameters(module)  # a plain optimizer's step over these low copies is refused (core/step_guard.py)
 
 
 def _restore_source_dtypes(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -106,16 +179,26 @@ def _restore_source_dtypes(module: torch.nn.Module, state_dict: dict, prefix: st
 
     At O2 that is the fp32 master itself wherever the low copy is the master
     rounded (what ``MasterWeightOptimizer`` keeps true after every step), so a
-    checkpoint keeps the masters' full precision.  A low copy trained some
-    other way no longer matches its master and is saved widened.
+    checkpoint keeps the masters' full precision, under every name of a tied
+    weight.  A low copy trained some other way no longer matches its master
+    and is saved widened.  A buffer's low copy gives the model's own tensor
+    the same way (:func:`amp_fx.core.buffer_state.source_value`).
     """
     masters = module.__dict__.get("amp_fx_masters") or {}
+    aliases: Optional[dict[str, str]] = None
     for name, dtype in getattr(module, "amp_fx_source_dtypes", {}).items():
         key = prefix + name
         if key not in state_dict or state_dict[key].dtype == dtype:
             continue
         low, master = state_dict[key], masters.get(name)
-        in_sync = (master is not None and type(master) in (torch.Tensor, nn.Parameter) and type(low) in (torch.Tensor, nn.Parameter)
+        if master is None and name not in module.__dict__.get(SOURCES_ATTR, {}):
+            aliases = _aliases(module) if aliases is None else aliases
+            master = masters.get(aliases.get(name, name))  # the other name of a tied weight
+        if master is None:
+            exact = source_value(module, name, low, dtype)
+            state_dict[key] = exact if exact is not None else low.to(dtype)
+            continue
+        in_sync = (type(master) in (torch.Tensor, nn.Parameter) and type(low) in (torch.Tensor, nn.Parameter)
                    and master.dtype == dtype and master.shape == low.shape and torch.equal(master.detach().to(low.dtype), low))
         state_dict[key] = master.detach() if in_sync else low.to(dtype)
 
@@ -158,11 +241,18 @@ def _check_input_dtypes(expected: dict, args: tuple, kwargs: dict) -> None:
 
 
 def _load_masters(module: nn.Module, state_dict: Any) -> None:
-    """Copy loaded values into the module's fp32 masters (O2), where both are plain tensors of the same shape."""
+    """Copy loaded values into the module's fp32 masters (O2), where both are plain tensors of the same shape.
+
+    A tied weight's master takes the value under whichever of its names the
+    state dict has; the model's buffers take theirs too (O2/O3).
+    """
     masters = module.__dict__.get("amp_fx_masters") or {}
+    names: dict[str, list[str]] = {}
+    for alias, name in (_aliases(module).items() if masters else ()):
+        names.setdefault(name, []).append(alias)
     with torch.no_grad():
         for name, master in masters.items():
-            value = state_dict.get(name)
+            value = next((state_dict[a] for a in [name, *names.get(name, ())] if a in state_dict), None)
             plain = type(master) in (torch.Tensor, nn.Parameter) and type(value) in (torch.Tensor, nn.Parameter)
             if plain and value.shape == master.shape:  # (sharded masters load through torch.distributed.checkpoint)
                 master.copy_(value)
@@ -185,22 +275,35 @@ class AmpGraphModule(fx.GraphModule):
         expected = self.__dict__.get("amp_fx_input_dtypes")
         if expected:
             _check_input_dtypes(expected, args, kwargs)
+        hooks = self.__dict__.get(STATE_ATTR)
+        if hooks is None or hooks.stale(self):  # a hook registered somewhere since the last call (core/live_hooks.py)
+            hooks = check_hooks(self)
         grad = torch.is_grad_enabled()
         try:
             # The graph already casts explicitly: an outer autocast would cast again.
+            if hooks.active:  # hook boundaries in the graph, or hooks on the model itself
+                return hooks.run(functools.partial(call_without_outer_autocast, super().__call__), *args, **kwargs)
             return call_without_outer_autocast(super().__call__, *args, **kwargs)
         except BaseException:
             torch._C._set_grad_enabled(grad)  # a no_grad region the error left open must not leak
             raise
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Load as any module does; at O2 the fp32 masters take the loaded values too.
+        """Load as any module does; at O2 the fp32 masters take the loaded values too, at O2/O3 the model's buffers.
 
         Without that, the next ``MasterWeightOptimizer`` step would copy the
-        old masters back over the weights just loaded.
+        old masters back over the weights just loaded, and the model would
+        keep its old statistics.  ``assign=True`` is refused at O2/O3.
         """
+        if assign and self.__dict__.get("amp_fx_source_dtypes"):
+            raise AmpValueError(
+                "load_state_dict(assign=True) would replace this module's low-precision copies (O2/O3) by the "
+                "checkpoint's tensors, which are in the model's dtypes, so the graph would run on them unconverted. "
+                "Load without assign=True: the values are copied into the low copies, the fp32 masters and the "
+                "model's buffers.")
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         _load_masters(self, state_dict)
+        load_buffer_sources(self, state_dict)  # O2/O3: the model's buffers are loaded too
         return result
 
     def train(self, mode: bool = True) -> "AmpGraphModule":
@@ -247,3 +350,14 @@ class AmpGraphModule(fx.GraphModule):
                 "amp_fx.convert() of it), or gm.save_pretrained(path) for a Hugging Face model.")
         reduce_fn, reduce_args = super().__reduce__()
         return (_rebuild, (reduce_fn, reduce_args, type(self).__name__))
+
+    def clear_cast_cache(self) -> None:
+        """Drop the weight casts ``cache_casts=True`` kept for this module's parameters.
+
+        Call it after writing a weight through ``p.data`` (``p.data.mul_(0.5)``):
+        such a write bumps no version counter, so the cache would serve the old
+        cast (:mod:`amp_fx.core.cast_cache`).
+        """
+        from amp_fx.core.cast_cache import clear_cast_cache
+
+        clear_cast_cache(self)

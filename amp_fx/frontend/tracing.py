@@ -15,13 +15,14 @@ from __future__ import annotations
 import linecache
 import threading
 import traceback
+import weakref
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from amp_fx.frontend import regions, regions_export
+from amp_fx.frontend import hook_dispatch, module_hooks, regions, regions_export
 from amp_fx.core.casts import HELPERS
 from amp_fx.errors import AmpError, AmpTypeError, UnsupportedConstructError
 from amp_fx.frontend.export_guards import watched_export
@@ -59,9 +60,14 @@ class AmpTracer(fx.Tracer):
     # recorded and runs every call, instead of running once on the model during tracing.
     proxy_buffer_attributes = True
 
-    def __init__(self, leaf_modules: Iterable[Union[type, str]] = ()):
+    def __init__(self, leaf_modules: Iterable[Union[type, str]] = (), hook_originals: Optional[dict[str, nn.Module]] = None):
         super().__init__(autowrap_functions=HELPERS)
         self._tensor_names: Optional[tuple[dict[int, str], dict[int, str]]] = None
+        # path -> the original model's module: hooked modules get boundaries (amp_fx/frontend/module_hooks.py).
+        # None when fx re-traces a converted module's own code (unpickling): its boundaries are already there.
+        self._hook_originals = hook_originals
+        self._forced_boundaries = module_hooks.forced_boundaries()
+        self._called_paths: set[str] = set()
         leaves = tuple(leaf_modules)
         self.leaf_types = tuple(t for t in leaves if isinstance(t, type))
         self.leaf_names = frozenset(n for n in leaves if isinstance(n, str))
@@ -134,6 +140,18 @@ class AmpTracer(fx.Tracer):
             node.meta["stack_trace"] = f'  File "{filename}", line {lineno}, in {frame.f_code.co_name}\n    {code}\n'
         return node
 
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        """Trace a module call; a module with hooks keeps them for run time, between boundaries (amp_fx/frontend/module_hooks.py)."""
+        if self._hook_originals is None:
+            return super().call_module(m, forward, args, kwargs)
+        path = self.path_of_module(m)
+        self._called_paths.add(path)  # a hook registered on it later makes a rebuild (amp_fx/core/live_hooks.py)
+        hooked = m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks
+        if not hooked and path not in self._forced_boundaries:
+            return super().call_module(m, forward, args, kwargs)
+        return module_hooks.trace_hooked_call(self, m, path, forward, args, kwargs, super().call_module,
+                                              self._hook_originals.get(path), path in self._forced_boundaries)
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_names or isinstance(m, self.leaf_types):
             return True
@@ -182,6 +200,9 @@ def _clean_path(path: str) -> str:
 
 def _symbolic_trace(model: nn.Module, tracer: AmpTracer, module_class: type) -> fx.GraphModule:
     graph = tracer.trace(model)
+    # where the converted module's clones find the original hooks (amp_fx/core/graph_module.py _own_modules)
+    setattr(graph, module_hooks.ORIGINALS_ATTR, {path: weakref.ref(m) for path, m in (tracer._hook_originals or {}).items()})
+    setattr(graph, module_hooks.CALLED_ATTR, frozenset(tracer._called_paths))
     return module_class(tracer.root, graph, type(model).__name__)
 
 
@@ -210,6 +231,24 @@ def _describe_failure(error: BaseException, tracer: AmpTracer) -> str:
     return f"{type(error).__name__}: {error}\n  in module {module!r}\n  at {where}"
 
 
+def _refuse_hooks_on_export(model: nn.Module, failure: str) -> None:
+    """torch.export runs module hooks once while it traces and keeps their effect: refuse a hooked model on that route."""
+    for path, module in model.named_modules():
+        for attr in hook_dispatch.HOOK_DICTS:
+            hooks = hook_dispatch.user_hooks(module, attr)
+            if hooks:
+                name = f"module {path!r}" if path else "the model itself"
+                kind = attr.strip("_").replace("_", " ")[:-1]
+                raise UnsupportedConstructError(
+                    f"{name} ({type(module).__name__}) has a {kind} ({hook_dispatch._name(hooks[0][1])}), and amp_fx "
+                    f"would have to trace {type(model).__name__} with torch.export: fx could not ({failure.splitlines()[0]}). "
+                    "torch.export runs hooks once while it traces and keeps their effect in the graph (an observing "
+                    "hook would never fire again, a backward hook never). Routes that keep hooks: "
+                    "torch.compile(model, backend='amp_fx'), or amp_fx.convert's symbolic route (mark the part fx "
+                    "cannot trace as a leaf: leaf_modules=[...]).",
+                    construct="module hooks on the torch.export route", where="")
+
+
 def trace_model(
     model: nn.Module,
     *,
@@ -218,6 +257,7 @@ def trace_model(
     example_kwarg_inputs: Optional[dict] = None,
     module_class: type = fx.GraphModule,
     dynamic_shapes: Any = None,
+    hook_originals: Optional[nn.Module] = None,
 ) -> tuple[fx.GraphModule, str]:
     """Trace ``model``; return the GraphModule and the route taken ("symbolic_trace" or "torch.export").
 
@@ -226,8 +266,12 @@ def trace_model(
     When neither works, :class:`AmpTraceError` says what failed, where, and
     the ways out.  ``module_class`` is the GraphModule subclass to build;
     ``dynamic_shapes`` is torch.export's (see :mod:`amp_fx.frontend.export_route`).
+    ``hook_originals`` is the model whose modules' hooks the converted module
+    reads at run time (``model`` itself unless it is a copy of it).
     """
-    tracer = AmpTracer(leaf_modules)
+    hook_dispatch.refuse_global_hooks("at conversion")
+    originals = hook_originals if hook_originals is not None else model
+    tracer = AmpTracer(leaf_modules, hook_originals=dict(originals.named_modules()))
     try:
         with _TRACE_LOCK:
             return _symbolic_trace(model, tracer, module_class), "symbolic_trace"
@@ -237,6 +281,7 @@ def trace_model(
         symbolic_error = error
         failure = _describe_failure(error, tracer)
     if example_inputs is not None or example_kwarg_inputs is not None:
+        _refuse_hooks_on_export(originals, failure)
         try:
             args, kwargs = tuple(example_inputs or ()), dict(example_kwarg_inputs or {})
             # refuse what torch.export would drop silently (amp_fx/frontend/export_guards.py)

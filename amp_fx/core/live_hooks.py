@@ -1,0 +1,261 @@
+"""Hooks registered after conversion: found at call time, cheaply, and kept by rebuilding the graph with boundaries.
+
+A converted graph inlines most modules.  Those hooked at conversion have hook
+boundaries (:mod:`amp_fx.frontend.module_hooks`), which read the hooks live.
+A hook registered later on a module the graph inlines without a boundary --
+on the original model's module, or on the converted module's module at the
+same path -- would never fire.  ``AmpGraphModule.__call__`` asks
+:func:`check_hooks` before a call whose :class:`HookState` is stale:
+
+- Fast path: ``torch.utils.hooks.RemovableHandle.next_id`` (every hook
+  registration anywhere in torch makes a handle and moves it) still has the
+  value it had at the last scan, and the graph is the one scanned: nothing
+  to do (a dict lookup and two comparisons per call).
+- Otherwise the watched hook dicts are scanned: the modules the graph
+  inlines without a boundary, on both sides (a leaf module runs its own
+  hooks; one of the model's leaves is watched for a boundary), and the
+  global module hooks, which are refused.  A new hook makes ``convert()``
+  run again from the original model with the same arguments and boundaries
+  at the hooked paths (plus the old ones), and the new graph is swapped in.
+  The converted module keeps its own modules, parameters and buffers, so an
+  optimizer built over them stays valid.  Where that cannot be done (the
+  torch.export route; a module whose model is not known, e.g. unpickled; a
+  model changed since), an AmpRuntimeError names the module, the hook and
+  the ways out.
+
+The original model's own (root) hooks run around the converted module's
+call (:func:`amp_fx.frontend.hook_dispatch.call_with_hooks`); the converted
+module's own hooks run as any module's do, inside them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+from amp_fx.errors import AmpRuntimeError
+from amp_fx.frontend import hook_dispatch
+from amp_fx.frontend.module_hooks import bind_sites, forcing_boundaries, graph_modules, sites_of
+
+__all__ = ["ConversionRecipe", "HookState", "check_hooks", "RECIPE_ATTR", "STATE_ATTR"]
+
+RECIPE_ATTR = "amp_fx_recipe"  # carried by deepcopy (shared) and pickle (emptied): AMP_ATTRIBUTES
+STATE_ATTR = "_amp_fx_hook_state"  # per module object; rebuilt after a copy
+_ROUTE_ATTR = "amp_fx_route"
+_OWN_PREFIXES = ("amp_fx_checkpoint_",)  # modules amp_fx adds to a converted module
+
+
+class ConversionRecipe:
+    """How a module was converted -- the original model and convert()'s arguments -- for a rebuild.
+
+    Shared by deepcopies of the converted module; a pickled one forgets the
+    model (it is not saved with the module).
+    """
+
+    def __init__(self, model: Optional[nn.Module], options: dict, called: frozenset = frozenset()):
+        self.model, self.options = model, options
+        self.called = called  # paths of the modules forward calls (others' hooks never fire, in eager too)
+        self.unplaced: set[str] = set()  # called paths a rebuild could not give a boundary (inside a custom Function)
+
+    def __deepcopy__(self, memo: dict) -> "ConversionRecipe":
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (ConversionRecipe, (None, {}))
+
+
+class HookState:
+    """What one converted module watches for new hooks (see module docstring)."""
+
+    __slots__ = ("graph", "stamp", "watched", "root", "root_hooked", "has_sites", "exported")
+
+    def __init__(self, gm: fx.GraphModule):
+        bind_sites(gm)  # a deepcopy's boundaries still read the module it was copied from
+        recipe = gm.__dict__.get(RECIPE_ATTR)
+        model = recipe.model if recipe is not None else None
+        self.graph = gm.__dict__.get("_graph")
+        self.stamp = -1
+        self.exported = gm.__dict__.get(_ROUTE_ATTR) == "torch.export"
+        self.root = model
+        self.root_hooked = False
+        sites = {site.path for site in sites_of(gm)}
+        self.has_sites = bool(sites)
+        leaves = {str(n.target) for g in graph_modules(gm) for n in g.graph.nodes if n.op == "call_module"}
+        originals = dict(model.named_modules()) if model is not None else {}
+        converted = dict(gm.named_modules())
+        called = recipe.called - recipe.unplaced if model is not None and not self.exported else None
+        self.watched: list[tuple[str, nn.Module, str]] = []
+        for path in dict.fromkeys([*originals, *converted]):
+            if not path or path in sites or path.startswith(_OWN_PREFIXES) or (called is not None and path not in called):
+                continue
+            if any(path.startswith(leaf + ".") for leaf in leaves):
+                continue  # a leaf calls its submodules itself: they share the original's hook dicts
+            if path in originals:
+                self.watched.append((path, originals[path], "the model's"))
+            if path in converted and path not in leaves:
+                self.watched.append((path, converted[path], "the converted module's"))
+        if self.exported and model is not None:
+            self.watched.append(("", model, "the model's"))
+
+    def __reduce__(self) -> tuple:
+        return (_nothing, ())  # not saved with the module: a copy builds its own
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def stale(self, gm: nn.Module) -> bool:
+        return self.stamp != RemovableHandle.next_id or self.graph is not gm.__dict__.get("_graph")
+
+    def scan(self) -> list[tuple[str, str, str, Callable]]:
+        """(path, whose, hook dict, hook) of every watched module with a hook now."""
+        found = []
+        for path, module, whose in self.watched:
+            held = module.__dict__
+            if not (held.get("_forward_pre_hooks") or held.get("_forward_hooks") or held.get("_backward_hooks")
+                    or held.get("_backward_pre_hooks")):
+                continue
+            for attr in hook_dispatch.HOOK_DICTS:
+                hooks = hook_dispatch.user_hooks(module, attr)
+                if hooks:
+                    found.append((path, whose, attr, hooks[0][1]))
+                    break
+        if self.root is not None and not self.exported:
+            self.root_hooked = hook_dispatch.has_user_hooks(self.root)
+        return found
+
+    @property
+    def active(self) -> bool:
+        """Boundaries in the graph, or hooks on the original model itself: calls go through :meth:`run`."""
+        return self.has_sites or self.root_hooked
+
+    def run(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``call(*args, **kwargs)``: the original model's own hooks around it; pending ``always_call`` hooks on an error."""
+        if self.root_hooked:
+            return hook_dispatch.call_with_hooks([self.root], "", call, args, kwargs)
+        depth = hook_dispatch.open_depth()
+        try:
+            return call(*args, **kwargs)
+        except Exception:
+            hook_dispatch.unwind(depth)
+            raise
+
+
+def _nothing() -> None:
+    return None
+
+
+def check_hooks(gm: fx.GraphModule) -> HookState:
+    """Scan for hooks registered since the last call; rebuild ``gm``'s graph with boundaries for them, or refuse."""
+    state = gm.__dict__.get(STATE_ATTR)
+    if state is None or state.graph is not gm.__dict__.get("_graph"):
+        state = HookState(gm)
+    hook_dispatch.refuse_global_hooks("while a converted module runs", AmpRuntimeError)
+    found = state.scan()
+    if found:
+        _rebuild(gm, state, found)
+        state = HookState(gm)
+        state.scan()
+    state.stamp = RemovableHandle.next_id
+    gm.__dict__[STATE_ATTR] = state
+    return state
+
+
+def _kind(attr: str) -> str:
+    return {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook",
+            "_backward_hooks": "full backward hook", "_backward_pre_hooks": "backward pre-hook"}[attr]
+
+
+def _refusal(found: list, why: str, exported: bool = False) -> AmpRuntimeError:
+    path, whose, attr, hook = found[0]
+    name = f"module {path!r}" if path else "module '' (the model itself)"
+    ways = ("torch.compile(model, backend='amp_fx'), which keeps hooks, or amp_fx.convert's symbolic route (mark the "
+            "part fx cannot trace as a leaf: leaf_modules=[...]), which keeps them live" if exported else
+            "register the hook before amp_fx.convert (a module hooked at conversion keeps its hooks live, removal "
+            "included), convert the model again after registering it, or use torch.compile(model, backend='amp_fx'), "
+            "which keeps hooks")
+    return AmpRuntimeError(
+        f"amp_fx: a {_kind(attr)} ({hook_dispatch._name(hook)}) is registered on {whose} {name}, which the converted "
+        f"graph inlines without a hook boundary, so it would never fire; the graph cannot be rebuilt with one: {why}. "
+        f"Ways out: {ways}.")
+
+
+def _rebuild(gm: fx.GraphModule, state: HookState, found: list) -> None:
+    """Convert the original model again, with boundaries at the hooked paths, and take its graph (see module docstring)."""
+    recipe = gm.__dict__.get(RECIPE_ATTR)
+    if state.exported:
+        raise _refusal(found, "it was traced with torch.export, which runs hooks once while tracing", exported=True)
+    if recipe is None or recipe.model is None:
+        raise _refusal(found, "the model it was converted from is not known to it (an unpickled converted module)")
+    from amp_fx.core.api import convert
+    from amp_fx.core.outer_autocast import call_without_outer_autocast
+
+    paths = frozenset(path for path, *_ in found) | frozenset(site.path for site in sites_of(gm))
+    # as convert() would run at top level: not under the caller's no_grad, inference_mode or autocast
+    with forcing_boundaries(paths), torch.inference_mode(False), torch.enable_grad():
+        new = call_without_outer_autocast(convert, recipe.model, **recipe.options)
+    if new.__dict__.get(_ROUTE_ATTR) != "symbolic_trace":
+        raise _refusal(found, "the model now converts by the torch.export route")
+    placed = {site.path for site in sites_of(new)}
+    recipe.unplaced.update(paths - placed)  # called only where no graph can hold a boundary: never rebuilt again
+    _swap(gm, new)
+    gm.amp_report = new.amp_report
+    gm.amp_report.notes.append(
+        f"rebuilt at a call after hooks were registered on {', '.join(sorted({repr(p) for p, *_ in found}))}: "
+        "the graph has hook boundaries there now (the module's own parameters, buffers and hooks kept)")
+
+
+def _lookup(owner: nn.Module, target: str) -> Any:
+    value: Any = owner
+    for atom in target.split("."):
+        value = getattr(value, atom, None)
+        if value is None:
+            return None
+    return value
+
+
+def _assign(owner: nn.Module, target: str, value: Any) -> None:
+    *prefix, leaf = target.split(".")
+    for atom in prefix:
+        owner = getattr(owner, atom)
+    if isinstance(value, nn.Module):
+        owner._modules[leaf] = value
+    elif isinstance(value, nn.Parameter):
+        owner.register_parameter(leaf, value)
+    elif isinstance(value, torch.Tensor) and leaf in owner._buffers:
+        owner._buffers[leaf] = value
+    else:
+        setattr(owner, leaf, value)
+
+
+def _fresh(target: str) -> bool:
+    """Attributes made by the conversion itself: the new graph's own are taken."""
+    return target.startswith(("_tensor_constant", *_OWN_PREFIXES))
+
+
+def _swap(gm: fx.GraphModule, new: fx.GraphModule) -> None:
+    """Give ``gm`` ``new``'s graph; every module, parameter and buffer it reads stays ``gm``'s own."""
+    bodies = [g for g in graph_modules(new) if g is not new]
+    for body in bodies:  # checkpointed regions call gm's leaf modules, not new's
+        for node in body.graph.nodes:
+            mine = _lookup(gm, str(node.target)) if node.op == "call_module" else None
+            if mine is not None:
+                _assign(body, str(node.target), mine)
+    for node in new.graph.nodes:
+        if node.op not in ("get_attr", "call_module"):
+            continue
+        target = str(node.target)
+        mine, theirs = _lookup(gm, target), _lookup(new, target)
+        if mine is None or _fresh(target):
+            _assign(gm, target, theirs)
+        elif isinstance(theirs, torch.Tensor) and (not isinstance(mine, torch.Tensor) or mine.shape != theirs.shape
+                                                   or mine.dtype != theirs.dtype):
+            raise AmpRuntimeError(
+                f"amp_fx: could not rebuild the converted module for a new hook: the model changed since conversion "
+                f"({target!r} is {tuple(theirs.shape)} {theirs.dtype} in the model's conversion, "
+                f"{getattr(mine, 'shape', None)} {getattr(mine, 'dtype', type(mine).__name__)} in this module). "
+                "Convert the model again.")
+    gm.graph = new.graph
