@@ -37,10 +37,23 @@ _LAZY = {
     "summary": "amp_fx.inspection.views",
     "find_overflow": "amp_fx.inspection.find_overflow",
     "calibrate": "amp_fx.inspection.calibration",
+    # torch.compile backend: Dynamo skipped or broke a model's frames, nothing converted
+    "NothingConvertedWarning": "amp_fx.dynamo.watch",
+    # cache_casts=True: drop cached weight casts after a write through p.data
+    "clear_cast_cache": "amp_fx.core.cast_cache",
 }
 
 
+# Subpackages reachable after ``import amp_fx`` alone, as the README spells them
+# (``amp_fx.runtime.convert_for_sharding``): each is imported on first access.
+_SUBPACKAGES = frozenset({"apex", "core", "dynamo", "frontend", "inspection", "passes", "runtime"})
+
+
 def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"amp_fx.{name}")  # the import binds it here: asked once
     module_name = _LAZY.get(name)
     if module_name is None and f"amp_fx.{name}" in _moved.MOVED:  # amp_fx.config without an import, as in 0.1
         import importlib

@@ -200,3 +200,28 @@ def test_the_cache_is_off_unless_asked_because_data_writes_bypass_the_version_co
             p.data.mul_(-1)
         after = gm(x)
     assert not torch.allclose(before, after)
+
+
+def test_a_write_through_data_is_served_stale_until_clear_cast_cache():
+    """The documented hazard (README, convert's docstring): ``p.data.mul_()`` bumps nothing the cache checks, so
+    the old cast is served; ``gm.clear_cast_cache()`` drops this module's casts and the next forward equals a fresh
+    conversion's bit for bit (the same casts and GEMMs run on both sides)."""
+    torch.manual_seed(0)
+    model, other = _mlp(), _mlp()
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16, cache_casts=True)
+    gm_other = amp_fx.convert(other, "O1", dtype=torch.bfloat16, cache_casts=True)
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        before = gm(x)
+        gm_other(x)
+        model[0].weight.data.mul_(0.5)
+        stale = gm(x)
+        fresh = _fresh_reference(model, x)
+        assert torch.equal(stale, before)  # the first layer's cast is from before the write
+        assert (stale - fresh).abs().max() > 0.05
+        assert cast_cache_size() == 12
+        gm.clear_cast_cache()
+        assert cast_cache_size() == 6  # the other module's casts are kept
+        assert torch.equal(gm(x), fresh)
+        amp_fx.clear_cast_cache()
+        assert cast_cache_size() == 0

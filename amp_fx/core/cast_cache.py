@@ -23,14 +23,26 @@ When a cached cast is served (all must hold, else it is an ordinary cast):
 Bounded memory: one entry per (parameter, dtype), dropped with the parameter
 (weak keys), replaced when stale, and dropped as soon as the parameter is
 cast on the autograd path again (training frees the copies inference made).
-:func:`clear_cast_cache` drops every entry.
+:func:`clear_cast_cache` drops every entry, or a module's.
+
+The one hazard: a write through ``p.data`` (``p.data.mul_(0.5)``, an EMA or
+clamp written as ``w.data.copy_(...)``) is not seen, and the old cast is
+served: ``p.data`` is a new alias with its own version counter, so the write
+bumps nothing on ``p``, and the storage, shape and strides stay the same.
+Nothing cheaper than reading the whole weight can tell (measured on one CPU
+thread, 1024x1024 fp32: a cached read 1.3 us, the bf16 cast it saves 117 us,
+a ``sum`` of the weight 50 us and not even sound, ``torch.equal`` against a
+kept copy 1354 us), so it is not detected. After such a write call
+``gm.clear_cast_cache()`` (that module's parameters) or
+``amp_fx.clear_cast_cache()`` (all); or write under ``torch.no_grad()``
+without ``.data`` (``p.mul_(0.5)``), which bumps the version and is seen.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.fx import Proxy
@@ -97,9 +109,20 @@ def cached_cast(param: Any, dtype: torch.dtype) -> Any:
 cached_cast._amp_fx_cast = True  # op_keys reads this: the node is a cast, not an op
 
 
-def clear_cast_cache() -> None:
-    """Drop every cached weight cast."""
-    _CACHE.clear()
+def clear_cast_cache(module: Optional[torch.nn.Module] = None) -> None:
+    """Drop every cached weight cast, or only those of ``module``'s parameters and buffers.
+
+    The way to invalidate after a write the cache cannot see (through
+    ``p.data``, module docstring); ``AmpGraphModule.clear_cast_cache()`` calls
+    it with the converted module.
+    """
+    if module is None:
+        _CACHE.clear()
+        return
+    for tensor in (*module.parameters(), *module.buffers()):
+        slot = _CACHE.get(id(tensor))
+        if slot is not None and slot[0]() is tensor:
+            del _CACHE[id(tensor)]
 
 
 def cast_cache_size() -> int:

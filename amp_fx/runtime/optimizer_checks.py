@@ -1,4 +1,9 @@
-"""Warn about optimizer settings that break on low-precision parameters (once per optimizer)."""
+"""Warn about optimizer settings that break on low-precision parameters (once per optimizer).
+
+Also registers amp_fx's optimizer wrappers with :mod:`amp_fx.core.step_guard`,
+which refuses a plain optimizer's step over O2's low parameters: the wrappers
+(and the optimizers they wrap) step masters or compensated updates themselves.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,16 @@ from typing import Any
 
 import torch
 
+from amp_fx.core.step_guard import register_wrapper_type
+
 from .wrapped_optimizer import WrappedOptimizer
 
 __all__ = ["EpsUnderflowWarning", "warn_if_eps_underflows"]
 
 _CHECKED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+# MasterWeightOptimizer and LowPrecisionOptimizer are the two ways to train O2's low parameters.
+register_wrapper_type(WrappedOptimizer)
 
 
 class EpsUnderflowWarning(UserWarning):

@@ -51,3 +51,168 @@ def test_settings_that_train_are_not_warned_about(case):
         for _ in range(3):
             _step(gm, optimizer, scaler)
     assert all(torch.isfinite(p).all() for p in gm.parameters())
+
+
+# ------------------------------------------- a plain optimizer over O2's low weights (issue 22)
+# At O2 the module holds bf16 copies and the model's fp32 parameters are the masters: a plain optimizer
+# over gm.parameters() rounds most updates away (measured: 7 of 676 weights changed in 20 SGD steps) and
+# never moves the masters. Its first step is refused, naming the parameter, the level and both fixes.
+
+class Net(nn.Module):
+    """Linear -> LayerNorm -> Linear: at O2 the Linears are bf16 copies with masters, the norm stays fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+
+def _batch(seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(6, 8, generator=gen), torch.randn(6, 4, generator=gen)
+
+
+def _loss(module, seed=1):
+    x, y = _batch(seed)
+    return torch.nn.functional.mse_loss(module(x).float(), y)
+
+
+def _o2(seed=0):
+    torch.manual_seed(seed)
+    model = Net()
+    return model, amp_fx.convert(model, "O2", dtype=torch.bfloat16)
+
+
+def _snapshot(module):
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def _assert_refusal(error, name="fc1.weight", level="O2"):
+    message = str(error.value)
+    assert repr(name) in message and f"amp_fx.convert(model, {level!r})" in message
+    assert "amp_fx.MasterWeightOptimizer(opt, gm)" in message
+    assert "amp_fx.LowPrecisionOptimizer(opt, gm" in message and '"O1"' in message
+
+
+@pytest.mark.parametrize("build", [
+    lambda p: torch.optim.SGD(p, lr=0.1), lambda p: torch.optim.AdamW(p, lr=1e-3), lambda p: torch.optim.Adam(p, fused=True),
+], ids=["sgd", "adamw", "adam_fused"])
+def test_a_plain_optimizer_over_o2_low_weights_is_refused_at_its_first_step_and_steps_nothing(build):
+    model, gm = _o2()
+    opt = build(gm.parameters())
+    # Neither an LR scheduler nor zero_grad is a step: building and calling them is not refused.
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    opt.zero_grad()
+    _loss(gm).backward()
+    before, masters = _snapshot(gm), _snapshot(model)
+    with pytest.raises(amp_fx.AmpRuntimeError, match="would silently stop training") as error:
+        opt.step()
+    _assert_refusal(error)
+    assert all(torch.equal(p, before[n]) for n, p in gm.named_parameters())  # refused before anything moved
+    assert all(torch.equal(p, masters[n]) for n, p in model.named_parameters())
+    assert opt.state == {} or all(not s for s in opt.state.values())
+    with pytest.raises(amp_fx.AmpRuntimeError):
+        opt.step()  # refused at every step, not only once
+    assert scheduler.last_epoch == 0
+
+
+def test_the_refusal_comes_through_loss_scaler_step_too():
+    _, gm = _o2()
+    opt, scaler = torch.optim.SGD(gm.parameters(), lr=0.1), amp_fx.LossScaler(dtype=torch.bfloat16)
+    scaler.scale(_loss(gm)).backward()
+    before = _snapshot(gm)
+    with pytest.raises(amp_fx.AmpRuntimeError) as error:
+        scaler.step(opt)
+    _assert_refusal(error)
+    assert all(torch.equal(p, before[n]) for n, p in gm.named_parameters())
+
+
+def _steps(gm, opt, n=3, scaler=None):
+    for step in range(n):
+        opt.zero_grad()
+        loss = _loss(gm, seed=step)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+
+def test_the_two_documented_ways_and_apex_initialize_train_o2_without_refusal():
+    """Each way trains: the low weights move, and MasterWeightOptimizer's equal their fp32 masters rounded."""
+    model, gm = _o2()
+    before = _snapshot(gm)
+    _steps(gm, amp_fx.MasterWeightOptimizer(torch.optim.SGD(gm.parameters(), lr=0.1), gm),
+           scaler=amp_fx.LossScaler(dtype=torch.bfloat16))
+    assert not torch.equal(gm.fc1.weight, before["fc1.weight"])
+    assert torch.equal(gm.fc1.weight, model.fc1.weight.detach().to(torch.bfloat16))
+    # Against autocast + fp32 SGD on the same data: the updates are ~0.05; O2's gradients differ from
+    # autocast's by bf16 roundings of activations (relative 2**-8), so the masters agree within ~2e-4.
+    torch.manual_seed(0)
+    reference = Net()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        plain.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = _loss(reference, seed=step)
+        loss.backward()
+        plain.step()
+    for (name, master), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(master, expected, rtol=0, atol=1e-3, msg=name)
+
+    _, gm = _o2()
+    before = _snapshot(gm)
+    # Small chunks: the wrapped AdamW steps once per chunk, each step its own pass through the hook.
+    _steps(gm, amp_fx.LowPrecisionOptimizer(torch.optim.AdamW(gm.parameters(), lr=1e-2), gm, update="kahan",
+                                            chunk_numel=100))
+    assert not torch.equal(gm.fc1.weight, before["fc1.weight"])
+
+    torch.manual_seed(0)
+    model = Net()
+    gm, opt = amp_fx.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                                dtype=torch.bfloat16, verbosity=0)
+    before = _snapshot(gm)
+    for step in range(3):
+        opt.zero_grad()
+        with amp_fx.scale_loss(_loss(gm, seed=step), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    assert not torch.equal(gm.fc1.weight, before["fc1.weight"])
+    assert torch.equal(gm.fc1.weight, model.fc1.weight.detach().to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("level", ["O1", "O3"])
+def test_plain_optimizers_at_o1_and_o3_are_not_refused(level):
+    """O1's parameters are the model's fp32 ones; O3 has no masters (its low weights are what it trains)."""
+    _o2()  # an O2 module exists in the process: the hook is installed
+    torch.manual_seed(0)
+    gm = amp_fx.convert(Net(), level, dtype=torch.bfloat16)
+    before = _snapshot(gm)
+    _steps(gm, torch.optim.SGD(gm.parameters(), lr=0.5), scaler=amp_fx.LossScaler(dtype=torch.bfloat16))
+    assert not torch.equal(gm.fc1.weight, before["fc1.weight"])
+
+
+def test_frozen_low_weights_and_o2_fp32_norms_in_a_plain_optimizer_are_not_refused():
+    """A frozen weight is never changed by a step, and O2's fp32 norm trains as it is (adapter-style fine-tuning)."""
+    _, gm = _o2()
+    for name, p in gm.named_parameters():
+        p.requires_grad_(p.dtype == torch.float32)
+    before = _snapshot(gm)
+    _steps(gm, torch.optim.SGD(gm.parameters(), lr=0.5))
+    assert not torch.equal(gm.norm.weight, before["norm.weight"])
+    assert torch.equal(gm.fc1.weight, before["fc1.weight"])
+
+
+def test_an_o2_low_weight_added_to_an_optimizer_that_already_stepped_is_caught_at_the_next_step():
+    _, gm = _o2()
+    opt = torch.optim.SGD([gm.norm.weight, gm.norm.bias], lr=0.1)  # fp32 at O2: passes
+    _steps(gm, opt, n=1)
+    opt.add_param_group({"params": [gm.fc2.weight], "lr": 0.01})
+    _loss(gm).backward()
+    with pytest.raises(amp_fx.AmpRuntimeError) as error:
+        opt.step()
+    _assert_refusal(error, name="fc2.weight")
