@@ -21,6 +21,8 @@ from torch import fx, nn
 from amp_fx.core.graph_module import attach_masters
 from amp_fx.errors import AmpRuntimeError, AmpTypeError, AmpValueError
 
+from . import process_group_release  # noqa: F401  (before any init_process_group: see that module)
+
 __all__ = [
     "convert_for_sharding", "init_optimizer_state", "is_dtensor", "local_tensor", "reduce_found_inf",
     "reduce_over_ranks", "refuse_replaced_params", "shard_like",
