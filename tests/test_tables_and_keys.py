@@ -8,6 +8,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+import amp_fx
 from amp_fx.core import tables
 from amp_fx.core.op_keys import canonical_op, is_inplace, module_op_name
 
@@ -103,3 +104,43 @@ def test_aten_overloads_map_to_canonical_names(target, expected):
     x = graph.placeholder("x")
     node = graph.call_function(target, (x,))
     assert (canonical_op(node), is_inplace(node)) == expected
+
+
+class CudnnConvolutions(nn.Module):
+    """cuDNN's own convolution entry points, called as a CUDA model (or a CUDA graph's ATen ops) calls them."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3, 3, 3))
+        self.wt = nn.Parameter(torch.randn(4, 3, 3, 3))
+
+    def forward(self, x):
+        # (padding, stride, dilation, groups, benchmark, deterministic, allow_tf32)
+        y = torch.cudnn_convolution(x, self.w, [1, 1], [1, 1], [1, 1], 1, False, False, True)
+        # (padding, output_padding, stride, dilation, groups, benchmark, deterministic, allow_tf32)
+        return torch.cudnn_convolution_transpose(y, self.wt, [1, 1], [0, 0], [1, 1], [1, 1], 1, False, False, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cudnn_convolutions_run_low_as_cuda_autocast_lists_them(dtype):
+    """cudnn_convolution(_transpose) are on CUDA autocast's lower_precision_fp list: low, with their inputs cast."""
+    ops = ["cudnn_convolution", "cudnn_convolution_transpose"]
+    assert all(tables.table_of(op) == "low" for op in ops)
+    # The ATen overloads (torch.export and AOT graphs) take the same canonical names.
+    for op in ops:
+        graph = fx.Graph()
+        node = graph.call_function(getattr(torch.ops.aten, op).default, (graph.placeholder("x"),))
+        assert canonical_op(node) == op
+    # The torch-level calls, traced and converted without running (there is no CPU kernel to run them).
+    gm = amp_fx.convert(CudnnConvolutions(), "O1", dtype=dtype)
+    records = {r.name: r for r in gm.amp_report.nodes}  # the nodes are named after their op
+    assert [records[op].decision for op in ops] == ["low", "low"]
+    assert [records[op].dtype for op in ops] == [str(dtype).removeprefix("torch.")] * 2
+    conv, transpose = (next(n for n in gm.graph.nodes if n.name == op) for op in ops)
+    # x and both weights arrive through casts inserted to the low dtype; the transpose takes the
+    # convolution's low output as it is.
+    for cast in (conv.args[0], conv.args[1], transpose.args[1]):
+        assert records[cast.name].inserted and cast.args[-1] == dtype, cast.format_node()
+    assert transpose.args[0] is conv
+    with pytest.raises((NotImplementedError, RuntimeError)):  # why test_table_dtypes.py cannot run them here
+        CudnnConvolutions()(torch.randn(1, 3, 8, 8))

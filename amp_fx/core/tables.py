@@ -45,11 +45,14 @@ LOW: Mapping[str, str] = MappingProxyType({
         "baddbmm", "linear", "chain_matmul", "linalg_multi_dot",
         "linalg_vecdot", "einsum",
     ),
-    # Convolutions are GEMMs in disguise (implicit GEMM on tensor cores).
+    # Convolutions are GEMMs in disguise (implicit GEMM on tensor cores). The
+    # cudnn_* entry points are on CUDA autocast's lower_precision_fp list too;
+    # they have no CPU kernel, so only a CUDA graph ever runs them.
     **_group(
         "convolution: implicit GEMM on tensor cores",
         "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
         "conv_transpose3d", "convolution", "_convolution", "conv_tbc",
+        "cudnn_convolution", "cudnn_convolution_transpose",
     ),
     # prelu is on the CUDA list: it is bandwidth bound and safe in low precision.
     **_group("prelu: on autocast's lower-precision list", "prelu"),
