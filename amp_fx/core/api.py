@@ -109,6 +109,21 @@ def _copy_missing_state(gm: fx.GraphModule, model: nn.Module) -> None:
             target._non_persistent_buffers_set.add(leaf)
 
 
+def _keep_state_dict_keys(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Make buffers the trace added (torch.export's ``lifted_tensor_0``) non-persistent: state_dict keys stay the model's.
+
+    A checkpoint then loads strictly in both directions, between the model and
+    its converted form.
+    """
+    keys = set(model.state_dict().keys())
+    for name, _ in list(gm.named_buffers(remove_duplicate=False)):
+        if name in keys:
+            continue
+        owner_path, _, leaf = name.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        owner._non_persistent_buffers_set.add(leaf)
+
+
 def _reconvert(model: AmpGraphModule, config: AmpConfig) -> AmpGraphModule:
     """Converting a converted module: same config changes nothing; another config is refused."""
     previous: AmpConfig = model.amp_config
@@ -235,6 +250,7 @@ def convert(
         module_class=AmpGraphModule, dynamic_shapes=dynamic_shapes, hook_originals=model,
     )
     _copy_missing_state(gm, source)
+    _keep_state_dict_keys(gm, source)
     policy.check_op_names((canonical_op(n, gm) for n in gm.graph.nodes if n.op.startswith("call")), set().union(*tables.all_tables().values(), CAST_OPS))
     ctx = PassContext(config=config, policy=policy,
                       example_inputs=tuple(example_inputs) if example_inputs is not None else None,

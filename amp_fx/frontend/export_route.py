@@ -138,6 +138,9 @@ def export_module(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
     defaults described in the module docstring, ``False`` keeps every shape static.
     """
     tensors, constants = split_constants(model, kwargs)
+    # a sliced example (ids[:2, :7]) would make export specialise on its strides and fail on views
+    args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
     bound = _bound(model, constants)
     if dynamic_shapes is None:
         shapes = default_dynamic_shapes(bound, args, tensors)

@@ -21,6 +21,8 @@ from torch.export import Dim
 import amp_fx
 from amp_fx.errors import AmpError, AmpValueError
 
+import hf_models
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -203,3 +205,24 @@ def test_a_declared_dynamic_size_the_model_fixes_is_refused():
     assert "specialized it to be a constant (6)" in message  # torch.export's reason, quoted
     assert "leave that dimension out of dynamic_shapes=" in message
     assert isinstance(caught.value.__cause__, AmpValueError)
+
+
+def test_state_dict_keys_are_the_models_and_load_strictly_both_ways(converted):
+    """torch.export lifts a constant of T5/BART (``lifted_tensor_0``) into a buffer: it is non-persistent, so checkpoints keep the model's keys."""
+    gm, model, *_ = converted
+    assert set(gm.state_dict()) == set(model.state_dict())
+    fresh = type(model)(model.config)
+    fresh.load_state_dict(gm.state_dict())  # strict: no unexpected key
+    gm.load_state_dict(model.state_dict())  # strict: no missing key
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, model.state_dict()[name]), name
+
+
+def test_a_sliced_example_input_converts_and_matches_a_contiguous_one():
+    """An example sliced from a bigger batch (non-contiguous) traces as its contiguous copy would: the strides are not the model's business."""
+    torch.manual_seed(0)
+    model = hf_models.gpt2()
+    ids = torch.randint(3, 100, (6, 24))
+    sliced = amp_fx.convert(model, "O1", example_kwarg_inputs={"input_ids": ids[:2, :7], "labels": ids[:2, :7]})
+    plain = amp_fx.convert(model, "O1", example_kwarg_inputs={"input_ids": ids[:2, :7].clone(), "labels": ids[:2, :7].clone()})
+    assert torch.equal(sliced(input_ids=ids, labels=ids).loss, plain(input_ids=ids, labels=ids).loss)
