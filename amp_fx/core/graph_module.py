@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from amp_fx.core.buffer_state import SOURCES_ATTR, load_buffer_sources, source_value
 from amp_fx.core.live_hooks import RECIPE_ATTR, STATE_ATTR, check_hooks
+from amp_fx.core.master_sync import sync_masters, track_masters
 from amp_fx.core.outer_autocast import call_without_outer_autocast
 from amp_fx.frontend.hook_dispatch import COMPUTATION_HOOKS
 from amp_fx.frontend.module_hooks import ORIGINALS_ATTR, bind_sites
@@ -172,6 +173,7 @@ def attach_masters(module: nn.Module, originals: dict[str, torch.Tensor]) -> Non
         if name in module.amp_fx_masters and param is not module.amp_fx_masters[name]:
             setattr(param, MASTER_ATTR, module.amp_fx_masters[name])
     guard_low_parameters(module)  # a plain optimizer's step over these low copies is refused (core/step_guard.py)
+    track_masters(module)  # a master written in place is copied again before the next call (core/master_sync.py)
 
 
 def _restore_source_dtypes(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -184,6 +186,7 @@ def _restore_source_dtypes(module: torch.nn.Module, state_dict: dict, prefix: st
     and is saved widened.  A buffer's low copy gives the model's own tensor
     the same way (:func:`amp_fx.core.buffer_state.source_value`).
     """
+    sync_masters(module)  # a master written in place since: its low copy first (core/master_sync.py)
     masters = module.__dict__.get("amp_fx_masters") or {}
     aliases: Optional[dict[str, str]] = None
     for name, dtype in getattr(module, "amp_fx_source_dtypes", {}).items():
@@ -278,6 +281,7 @@ class AmpGraphModule(fx.GraphModule):
         hooks = self.__dict__.get(STATE_ATTR)
         if hooks is None or hooks.stale(self):  # a hook registered somewhere since the last call (core/live_hooks.py)
             hooks = check_hooks(self)
+        sync_masters(self)  # O2: masters written in place since the last call (core/master_sync.py)
         grad = torch.is_grad_enabled()
         try:
             # The graph already casts explicitly: an outer autocast would cast again.
@@ -336,10 +340,13 @@ class AmpGraphModule(fx.GraphModule):
             return self.training
 
     def __deepcopy__(self, memo: dict) -> "AmpGraphModule":
+        sync_masters(self)  # O2: the copy starts from low copies equal to their masters
         result = super().__deepcopy__(memo)
         for name in AMP_ATTRIBUTES:
             if name in self.__dict__:
                 setattr(result, name, copy.deepcopy(self.__dict__[name], memo))
+        if result.__dict__.get("amp_fx_masters"):  # deepcopy drops tensor attributes: mark the copies' low params again
+            attach_masters(result, dict(result.amp_fx_masters))
         return result
 
     def __reduce__(self) -> tuple:

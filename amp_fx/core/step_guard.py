@@ -33,9 +33,15 @@ fp32 norm parameters train as they are). What is not:
   weights are what O3 trains; ``LowPrecisionOptimizer`` keeps its small updates).
 - ``zero_grad``, LR schedulers and state dicts: only ``step()`` runs the hook.
 
-Not seen: parameters made later from the marked ones, i.e. those of
-``copy.deepcopy(gm)`` (a deep copy drops tensor attributes) and the DTensors
-FSDP2's ``fully_shard`` puts in their place. The guard lives in core, beside
+Also refused: a plain optimizer over the model's own parameters (built before
+the convert, the torch.amp habit) whose step finds an O2 master without a
+gradient while its low copy in a live converted module has one: backward wrote
+into gm, so the step would change nothing. A master with its own gradient (the
+fp32 model trained itself) is not refused.
+
+``copy.deepcopy(gm)`` marks its copies again (``AmpGraphModule.__deepcopy__``).
+Not seen: the DTensors FSDP2's ``fully_shard`` puts in place of the marked
+parameters. The guard lives in core, beside
 ``attach_masters`` that installs it, since core imports nothing above it; the
 runtime registers its wrapper types here.
 
@@ -57,6 +63,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from amp_fx.core.master_sync import low_with_grad
 from amp_fx.errors import AmpRuntimeError
 
 __all__ = ["guard_low_parameters", "register_wrapper_type"]
@@ -137,6 +144,10 @@ def _refuse_plain_step(optimizer: Any, args: Any, kwargs: Any) -> None:
            if isinstance(p, torch.Tensor) and p.requires_grad and p.dtype in _LOW and hasattr(p, ORIGIN_ATTR)]
     if low:
         raise _plain_step_error(optimizer, low)
+    masters = [(p, found) for group in optimizer.param_groups for p in group.get("params", ())
+               if isinstance(p, torch.Tensor) and p.grad is None and (found := low_with_grad(p)) is not None]
+    if masters:
+        raise _masters_step_error(optimizer, masters)
     _remember(optimizer)
     return None
 
@@ -156,3 +167,18 @@ def _plain_step_error(optimizer: Any, low: list[torch.Tensor]) -> AmpRuntimeErro
         "update=\"kahan\") (no masters: Kahan-compensated low-precision updates); or convert at \"O1\" "
         "(fp32 parameters: any optimizer trains them). With a framework (HF Trainer, Lightning), hand it "
         "the wrapped optimizer.")
+
+
+def _masters_step_error(optimizer: Any, masters: list) -> AmpRuntimeError:
+    master, (sync, index) = masters[0]
+    name, low = sync.names[index], sync.lows[index]
+    kind = type(optimizer).__name__
+    more = f" and {len(masters) - 1} more" if len(masters) > 1 else ""
+    dtype = str(low.dtype).replace("torch.", "")
+    return AmpRuntimeError(
+        f"amp_fx: {kind}.step() steps the model's fp32 parameter {name!r}{more}, the master weight of a "
+        f"{dtype} copy that amp_fx.convert(model, {sync.level!r}) made, and the backward pass wrote the gradient "
+        f"into that copy (gm's parameter), not into the master: the master has none, so the step would change "
+        "nothing and the model would silently not train. Wrap the optimizer: opt = amp_fx.MasterWeightOptimizer("
+        "opt, gm) (it steps these masters with gm's gradients and copies them into gm; build it before the first "
+        "step). To train the fp32 model itself, call the model, not gm.")

@@ -50,6 +50,7 @@ from torch import nn
 
 from amp_fx.core.config import AmpConfig
 from amp_fx.core.graph_module import MASTER_ATTR
+from amp_fx.core.master_sync import record, writers
 from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer, check_inner_optimizer
 
 from .distributed import is_dtensor, local_tensor, refuse_replaced_params, shard_like
@@ -281,6 +282,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         """The (module param, master) pairs by (device, dtypes), regrouped after the pairs changed."""
         if self._groups is None:
             self._groups = group_pairs(self._pairs)
+            self._sync_entries = writers(self._pairs)  # the converted modules' records these copies refresh
         return self._groups
 
     def _sync_grads_to_masters(self) -> None:
@@ -304,6 +306,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         with torch.no_grad():
             for group in self._copy_groups():
                 group.copy_masters_to_params()
+        record(self._sync_entries)  # the low copies hold their masters: no re-copy at the next call (core/master_sync.py)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Step the masters with the wrapped optimizer and copy them into the module.

@@ -352,3 +352,80 @@ def test_hf_gpt2_o2_checkpoints_hold_the_exact_masters_save_pretrained_too(tmp_p
     for name, value in expected.items():
         if name in saved:
             assert torch.equal(saved[name], value), name
+
+
+def _o2_pair():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+    return model, amp_fx.convert(model, "O2", dtype=torch.bfloat16), torch.randn(4, 8)
+
+
+def _assert_like_a_fresh_conversion(gm, model, x):
+    # The same graph on the same bf16 weights (the masters rounded): the same kernels, bit for bit.
+    assert torch.equal(gm(x), amp_fx.convert(model, "O2", dtype=torch.bfloat16)(x))
+    sd = gm.state_dict()
+    for name, p in model.named_parameters():
+        assert sd[name].dtype == torch.float32 and torch.equal(sd[name], p.detach()), name
+
+
+@pytest.mark.parametrize("edit", ["mul_", "load_state_dict"])
+def test_o2_a_master_written_in_place_after_convert_is_what_gm_runs_and_saves(edit):
+    model, gm, x = _o2_pair()
+    stale = gm(x)
+    with torch.no_grad():
+        if edit == "mul_":
+            model[2].weight.mul_(0.5)
+        else:  # the resume pattern: convert, then load the checkpoint into the model
+            torch.manual_seed(1)
+            model.load_state_dict(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4)).state_dict())
+    sd = gm.state_dict()  # before any call: state_dict sees the edit too
+    assert all(torch.equal(sd[n], p.detach()) for n, p in model.named_parameters())
+    assert not torch.equal(gm(x), stale)
+    _assert_like_a_fresh_conversion(gm, model, x)
+
+
+def test_o2_a_forward_pre_hook_that_clamps_the_master_in_place_acts_as_under_autocast():
+    def clamp(module, args):
+        with torch.no_grad():
+            module.weight.clamp_(-0.05, 0.05)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+    reference = copy.deepcopy(model)
+    model[2].register_forward_pre_hook(clamp)
+    reference[2].register_forward_pre_hook(clamp)
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(x).float()
+    gm = amp_fx.convert(model, "O2", dtype=torch.bfloat16)
+    out = gm(x).float()
+    # Both run bf16 Linears on the same bf16-rounded clamped weights and bf16 inputs; the ops agree but the
+    # GEMM's accumulation order may differ between kernels (AMX, AVX512, AVX2), and each output is rounded to
+    # bf16 (half an ulp, 2**-9 relative) after every Linear: 2 bf16 ulps of max|expected| bounds the two roundings.
+    bound = 2 * 2.0**-8 * expected.abs().max().item()
+    assert (out - expected).abs().max().item() <= bound
+    assert bool(model[2].weight.abs().max() <= torch.tensor(0.05))
+    assert torch.equal(gm.state_dict()["2.weight"], model[2].weight.detach())  # the clamped master
+    # Without the sync gm ran the unclamped weights (0.47 off in the tester's t32): the clamp must matter here.
+    torch.manual_seed(0)
+    fresh = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (fresh(x).float() - expected).abs().max().item() > 10 * bound
+
+
+# SGD steps foreach on CPU (bumps each master's version: without the record the next call would copy again);
+# AdamW steps fused there (torch's fused kernels bump no version).
+@pytest.mark.parametrize("build", [lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lambda p: torch.optim.AdamW(p, lr=1e-2)],
+                         ids=["sgd", "adamw"])
+def test_o2_master_weight_optimizer_steps_write_each_low_copy_once_no_recopy(build):
+    model, gm, x = _o2_pair()
+    mw = amp_fx.MasterWeightOptimizer(build(model.parameters()), gm)
+    lows = dict(gm.named_parameters())
+    for _ in range(3):
+        mw.zero_grad()
+        gm(x).float().pow(2).mean().backward()
+        versions = {n: p._version for n, p in lows.items()}
+        mw.step()
+        gm(x)  # a call after the step must not copy the masters again
+        assert {n: p._version - versions[n] for n, p in lows.items()} == {n: 1 for n in lows}  # the step's one copy
+    _assert_like_a_fresh_conversion(gm, model, x)

@@ -216,3 +216,63 @@ def test_an_o2_low_weight_added_to_an_optimizer_that_already_stepped_is_caught_a
     with pytest.raises(amp_fx.AmpRuntimeError) as error:
         opt.step()
     _assert_refusal(error, name="fc2.weight")
+
+
+@pytest.mark.parametrize("build", [lambda p: torch.optim.AdamW(p, lr=1e-2), lambda p: torch.optim.SGD(p, lr=0.1)],
+                         ids=["adamw", "sgd"])
+def test_a_plain_optimizer_over_the_models_o2_masters_is_refused_when_gm_got_the_gradients(build):
+    torch.manual_seed(0)
+    model = Net()
+    opt = build(model.parameters())  # built before convert, the torch.amp habit
+    gm = amp_fx.convert(model, "O2", dtype=torch.bfloat16)
+    _loss(gm).backward()
+    masters = _snapshot(model)
+    with pytest.raises(amp_fx.AmpRuntimeError, match="silently not train") as error:
+        opt.step()
+    message = str(error.value)
+    assert "'fc1.weight'" in message and "amp_fx.MasterWeightOptimizer(opt, gm)" in message
+    assert all(torch.equal(p, masters[n]) for n, p in model.named_parameters())
+    # The fix the message names trains the masters with the same optimizer object.
+    mw = amp_fx.MasterWeightOptimizer(opt, gm)
+    mw.step()
+    assert not torch.equal(model.fc1.weight, masters["fc1.weight"])
+
+
+def test_training_the_original_model_in_fp32_beside_an_o2_conversion_is_not_refused():
+    torch.manual_seed(0)
+    model = Net()
+    gm = amp_fx.convert(model, "O2", dtype=torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _snapshot(model)
+    for _ in range(2):
+        opt.zero_grad()
+        _loss(model).backward()  # the masters get their own gradients
+        opt.step()
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    # gm follows the trained masters (an in-place write it sees by version): as a fresh conversion does.
+    x, _ = _batch()
+    assert torch.equal(gm(x), amp_fx.convert(model, "O2", dtype=torch.bfloat16)(x))
+
+
+def test_a_deepcopy_of_an_o2_module_keeps_the_refusal_and_saves_its_masters():
+    import copy
+
+    model, gm = _o2()
+    gm2 = copy.deepcopy(gm)
+    opt = torch.optim.SGD(gm2.parameters(), lr=0.1)
+    _loss(gm2).backward()
+    before = _snapshot(gm2)
+    with pytest.raises(amp_fx.AmpRuntimeError, match="would silently stop training") as error:
+        opt.step()
+    _assert_refusal(error)
+    assert all(torch.equal(p, before[n]) for n, p in gm2.named_parameters())
+    # state_dict gives the copy's fp32 masters exactly (equal to the model's: nothing trained), not bf16 widened.
+    sd = gm2.state_dict()
+    for name, p in model.named_parameters():
+        assert sd[name].dtype == torch.float32 and torch.equal(sd[name], p.detach()), name
+    # The copy's masters are its own: MasterWeightOptimizer over the copy trains them, not the model's.
+    originals = _snapshot(model)
+    mw = amp_fx.MasterWeightOptimizer(torch.optim.SGD(gm2.parameters(), lr=0.1), gm2)
+    mw.step()
+    assert all(torch.equal(p, originals[n]) for n, p in model.named_parameters())
+    assert not torch.equal(gm2.state_dict()["fc1.weight"], model.fc1.weight)
