@@ -41,6 +41,10 @@ _LAZY = {
     "NothingConvertedWarning": "amp_fx.dynamo.watch",
     # cache_casts=True: drop cached weight casts after a write through p.data
     "clear_cast_cache": "amp_fx.core.cast_cache",
+    # errors and warnings docs/refusals.md and docs/training.md name as amp_fx.X
+    "AlreadyInitializedError": "amp_fx.apex.amp",
+    "LossScalerStateError": "amp_fx.runtime.scaler_state",
+    "EpsUnderflowWarning": "amp_fx.runtime.optimizer_checks",
 }
 
 
