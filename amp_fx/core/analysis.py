@@ -48,7 +48,7 @@ from torch.utils import _pytree as pytree
 
 from amp_fx.core import meta, tables
 from amp_fx.core.casts import amp_cast
-from amp_fx.core.dtype_rules import explicit_dtype, rule_value, widest
+from amp_fx.core.dtype_rules import explicit_dtype, opened_by_hooks, rule_value, widest
 from amp_fx.core.graph_module import switching_modes
 from amp_fx.core.meta import ValueInfo, may_be_float_tensor
 from amp_fx.core.op_keys import CAST_OPS
@@ -211,6 +211,7 @@ class _Walker:
         self.unknown: dict[str, str] = {}
         self.read_as: dict[fx.Node, ValueInfo] = {}  # entry-cast inputs, as their readers see them
         self.decisions: dict[fx.Node, str] = {}
+        self.opened: dict[fx.Node, str] = {}  # values a module hook may hand on in another dtype, and why
         self.examples = placeholder_examples(gm, ctx)
         # convert()'s example inputs come from the user (the backend's from Dynamo's own trace of real calls)
         self.user_examples = bool(self.examples) and getattr(ctx, "route", None) != "dynamo"
@@ -258,6 +259,18 @@ class _Walker:
     def _visit(self, node: fx.Node) -> ValueInfo:
         decision = self.paint.get(node) or node.meta.get(meta.DECISION, "follow")
         self.decisions[node] = decision
+        info = self._value(node, decision)
+        if node.op in ("call_function", "call_method", "call_module"):
+            # Out of a module hook boundary, and through what follows it: a dtype known only at run time.
+            target = None if node.meta.get(meta.INPLACE) else input_target(node, decision, self.low, self.values)
+            info, reason = opened_by_hooks(node, info, target, {n: self.values[n] for n in node_inputs(node)}, self.opened)
+            if reason is not None:
+                self.opened[node] = reason
+            else:
+                self.opened.pop(node, None)
+        return info
+
+    def _value(self, node: fx.Node, decision: str) -> ValueInfo:
         if node.op == "placeholder":
             return self._placeholder(node, decision)
         if node.op == "get_attr":

@@ -19,7 +19,7 @@ from amp_fx.core.casts import amp_cast, amp_promote
 from amp_fx.core.meta import ValueInfo, may_be_float_tensor
 from amp_fx.core.op_keys import CAST_OPS
 
-__all__ = ["rule_value", "widest", "explicit_dtype"]
+__all__ = ["rule_value", "widest", "explicit_dtype", "opened_by_hooks"]
 
 # -- result rules for dtype-only mode, all derived from the tables ----------
 # Ops whose tensor result is floating whatever arrives (GEMMs, exp, softmax, losses).
@@ -45,7 +45,8 @@ _NON_FLOAT_CASTS = frozenset({"long", "int", "bool", "short", "byte", "char"})
 _COMPLEX_TO_REAL = frozenset({"view_as_real", "real", "imag", "abs", "angle"})
 _COMPLEX_RESULT = frozenset({"view_as_complex", "polar", "complex"})
 # Module hook boundaries (amp_fx/frontend/module_hooks.py): enter/exit pass a token, and
-# module_hook_value(x, token, i) is x as the hooks left it -- the same dtype, so no guarded casts.
+# module_hook_value(x, token, i) is x as the hooks left it: x's shape, and a dtype known only at run
+# time (opened_by_hooks), as a hook may return another one (out.float()) that autocast would take.
 _HOOK_TOKENS = frozenset({"module_hook_enter", "module_hook_exit"})
 _HOOK_VALUE = "module_hook_value"
 
@@ -65,8 +66,33 @@ def explicit_dtype(node: fx.Node) -> Optional[torch.dtype]:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
-def _cast_target(node: fx.Node, inputs: Mapping[fx.Node, ValueInfo]) -> tuple[bool, Optional[torch.dtype]]:
-    """(is a float cast, its target) for a cast the model wrote; (False, None) for a cast to a non-float dtype."""
+def _dtype_of(arg: Any, inputs: Mapping[fx.Node, ValueInfo]) -> tuple[bool, Optional[torch.dtype]]:
+    """(is a dtype argument, the dtype) for ``arg``: a constant dtype, or a node that gives one (``h.dtype``).
+
+    (True, None): a dtype known only at run time (``h.dtype`` of an unknown
+    ``h``).  A node known to give something else (``h.device``) is no dtype.
+    """
+    if isinstance(arg, torch.dtype):
+        return True, arg
+    if not isinstance(arg, fx.Node) or arg not in inputs:
+        return False, None
+    info = inputs[arg]
+    if info.has_value:
+        return isinstance(info.fake, torch.dtype), info.fake if isinstance(info.fake, torch.dtype) else None
+    if arg.op == "call_function" and arg.target is getattr and len(arg.args) > 1 and arg.args[1] in _NON_TENSOR_ATTRS:
+        return arg.args[1] == "dtype", None
+    return info.is_tensor is False and not info.container, None  # any other non-tensor value may be a dtype
+
+
+def _cast_target(node: fx.Node, inputs: Mapping[fx.Node, ValueInfo]) -> tuple[Optional[bool], Optional[torch.dtype]]:
+    """(is a float cast, its target) for a cast the model wrote.
+
+    (True, dtype): a float cast to ``dtype``; (False, None): a cast to a
+    non-float dtype; (None, dtype): to ``dtype`` if it is a float cast at all
+    (``.to(other)`` of an ``other`` that may not be floating); (None, None): to
+    a dtype known only at run time; (True, None): no dtype given, the input's
+    dtype is kept (``.to(device)``), or ``amp_promote``.
+    """
     op = node.meta.get(meta.OP)
     if op in _NAMED_CASTS:
         return True, _NAMED_CASTS[op]
@@ -75,13 +101,17 @@ def _cast_target(node: fx.Node, inputs: Mapping[fx.Node, ValueInfo]) -> tuple[bo
     if node.target is amp_promote:
         return True, None  # the widest of its inputs, known only at run time
     for arg in list(node.args[1:]) + list(node.kwargs.values()):
-        if isinstance(arg, torch.dtype):
-            return arg.is_floating_point, arg if arg.is_floating_point else None
-        if isinstance(arg, fx.Node) and arg in inputs:
-            info = inputs[arg]
-            if info.is_tensor is not True:  # .to(h.dtype): a dtype known only at run time
-                return True, None
-            return info.is_float is not False, info.float_dtype  # .to(other) / .type_as(other)
+        is_dtype, dtype = _dtype_of(arg, inputs)
+        if is_dtype:
+            # .to(h.dtype): the dtype h has in the rewritten program, when the analysis knows it.
+            if dtype is None:
+                return None, None
+            return dtype.is_floating_point, dtype if dtype.is_floating_point else None
+        if isinstance(arg, fx.Node) and arg in inputs and inputs[arg].is_tensor is not False:
+            info = inputs[arg]  # .to(other) / .type_as(other): other's dtype in the rewritten program
+            if info.is_float is False:
+                return False, None
+            return (True if info.is_float is True else None), info.float_dtype
     return True, None
 
 
@@ -92,6 +122,11 @@ def _attribute_value(attribute: Any, owner: Optional[ValueInfo]) -> ValueInfo:
     ``.indices`` integers; any other attribute may be a floating tensor of any
     dtype, so it is unknown and its readers' casts are guarded.
     """
+    if attribute == "dtype" and owner is not None and owner.is_tensor is True and not owner.container:
+        # The owner's dtype in the rewritten program, when known: .to(h.dtype) then casts to it.
+        dtype = owner.float_dtype if owner.is_float is True else owner.dtype if owner.is_float is False else None
+        if dtype is not None:
+            return ValueInfo(False, False, fake=dtype, has_value=True)
     if attribute in _NON_TENSOR_ATTRS:
         return ValueInfo.non_tensor()
     if attribute == "indices":
@@ -99,6 +134,39 @@ def _attribute_value(attribute: Any, owner: Optional[ValueInfo]) -> ValueInfo:
     if attribute == "values" and owner is not None and owner.container:
         return ValueInfo(None, None, owner.float_dtype)
     return ValueInfo()
+
+
+def opened_by_hooks(node: fx.Node, info: ValueInfo, target: Optional[torch.dtype], inputs: Mapping[fx.Node, ValueInfo],
+                    opened: Mapping[fx.Node, str]) -> tuple[ValueInfo, Optional[str]]:
+    """``info`` with its floating dtype unknown where a module hook may change it, and why (None: ``info`` as is).
+
+    A value out of a hook boundary may arrive in another floating dtype than
+    traced (a forward hook returning ``out.float()``, a pre-hook ``.half()``);
+    under autocast the next op casts what arrives, so here each reader that
+    needs a dtype gets a guarded cast (``amp_cast``).  That holds for what
+    follows such a value too (``h + 1``, ``h.view(...)``), up to an op that
+    casts its inputs (``target``) or a cast to a fixed dtype.  Shape and fake
+    value stay (the hook keeps the structure); non-floating values stay known.
+    """
+    hooked = node.meta.get(meta.OP) == _HOOK_VALUE
+    reason = ("module hook boundary: a hook may hand on another floating dtype than traced" if hooked
+              else next((opened[n] for n in inputs if n in opened), None))
+    if reason is None:
+        return info, None
+    if node.op == "call_function" and node.target is getattr and node.args[1:2] == ("dtype",):
+        return ValueInfo.non_tensor(), reason  # h.dtype: known only at run time, so .to(h.dtype) is guarded too
+    if not may_be_float_tensor(info):
+        return info, None
+    if not hooked:
+        if target is not None:
+            return info, None  # the op casts its inputs: its result's dtype is known
+        if node.meta.get(meta.OP) in CAST_OPS or node.target in (amp_cast, amp_promote):
+            is_float_cast, dtype = _cast_target(node, inputs)
+            if is_float_cast is False or dtype is not None:
+                return info, None  # a cast to a fixed dtype
+    if info.is_float is False and not info.container:
+        return info, None
+    return ValueInfo(info.is_tensor, None, None, None, info.shape, info.container, reason, info.fake, info.has_value), reason
 
 
 def rule_value(node: fx.Node, decision: str, inputs: Mapping[fx.Node, ValueInfo], target: Optional[torch.dtype],
@@ -127,12 +195,14 @@ def rule_value(node: fx.Node, decision: str, inputs: Mapping[fx.Node, ValueInfo]
         return ValueInfo(None, False)
     if decision == "cast" or op in CAST_OPS:
         is_float_cast, dtype = _cast_target(node, inputs)
-        if not is_float_cast:
+        if is_float_cast is False:
             return ValueInfo(True, False)
+        source = first_info
         if dtype is not None:
-            source = first_info
-            known = source is not None and source.is_float is True
+            known = is_float_cast is True and source is not None and source.is_float is True
             return ValueInfo(True if known else None, True if known else None, dtype, shape=source.shape if source else None)
+        if is_float_cast is None:  # a target known only at run time: not the input's dtype, so unknown (guarded)
+            return ValueInfo(shape=source.shape if source else None)
     complex_first = first_info is not None and first_info.dtype is not None and first_info.dtype.is_complex
     if op in _COMPLEX_TO_REAL and complex_first:
         real = first_info.dtype.to_real()
@@ -146,6 +216,12 @@ def rule_value(node: fx.Node, decision: str, inputs: Mapping[fx.Node, ValueInfo]
     explicit = explicit_dtype(node)
     if explicit is not None:
         return ValueInfo(True, True, explicit)
+    if isinstance(node.kwargs.get("dtype"), fx.Node):  # torch.zeros(n, dtype=h.dtype), x.new_ones(n, dtype=w.dtype)
+        is_dtype, dtype = _dtype_of(node.kwargs["dtype"], inputs)
+        if is_dtype:
+            if dtype is None:
+                return ValueInfo()  # known only at run time: the readers' casts are guarded
+            return ValueInfo(True, True, dtype) if dtype.is_floating_point else ValueInfo(None, False, dtype=dtype)
     if decision == "fp32" and node.meta.get(meta.FUSED) and first_info is not None:
         return ValueInfo(True, True, first_info.float_dtype)  # a fused norm returns its input's (low) dtype
     reads_float64 = any(i.float_dtype == torch.float64 for i in inputs.values() if may_be_float_tensor(i))
