@@ -39,6 +39,8 @@ from torch.utils.hooks import RemovableHandle
 
 from amp_fx.errors import AmpRuntimeError
 from amp_fx.frontend import hook_dispatch
+from amp_fx.core import weight_computations
+from amp_fx.frontend.tracing import FX_FAILED_IN_ATTR, export_hook_advice
 from amp_fx.frontend.module_hooks import bind_sites, forcing_boundaries, graph_modules, sites_of
 
 __all__ = ["ConversionRecipe", "HookState", "check_hooks", "RECIPE_ATTR", "STATE_ATTR"]
@@ -60,6 +62,9 @@ class ConversionRecipe:
         self.model, self.options = model, options
         self.called = called  # paths of the modules forward calls (others' hooks never fire, in eager too)
         self.unplaced: set[str] = set()  # called paths a rebuild could not give a boundary (inside a custom Function)
+        # pruning, weight_norm, spectral_norm, parametrizations as traced in: a later change is refused
+        self.computations = weight_computations.signatures(model) if model is not None else {}
+        self.computing = [(path, model.get_submodule(path), sig) for path, sig in self.computations.items()]
 
     def __deepcopy__(self, memo: dict) -> "ConversionRecipe":
         return self
@@ -71,7 +76,8 @@ class ConversionRecipe:
 class HookState:
     """What one converted module watches for new hooks (see module docstring)."""
 
-    __slots__ = ("graph", "stamp", "watched", "root", "root_hooked", "has_sites", "exported")
+    __slots__ = ("graph", "stamp", "watched", "root", "root_hooked", "has_sites", "exported", "computing",
+                 "computations", "model_modules", "converted_modules")
 
     def __init__(self, gm: fx.GraphModule):
         bind_sites(gm)  # a deepcopy's boundaries still read the module it was copied from
@@ -87,6 +93,11 @@ class HookState:
         leaves = {str(n.target) for g in graph_modules(gm) for n in g.graph.nodes if n.op == "call_module"}
         originals = dict(model.named_modules()) if model is not None else {}
         converted = dict(gm.named_modules())
+        # weight computations traced in (amp_fx/core/weight_computations.py): checked at every call
+        self.computing = recipe.computing if model is not None else []
+        self.computations = recipe.computations if model is not None else {}
+        self.model_modules = list(originals.items())
+        self.converted_modules = list(converted.items()) if model is not None else []
         called = recipe.called - recipe.unplaced if model is not None and not self.exported else None
         self.watched: list[tuple[str, nn.Module, str]] = []
         for path in dict.fromkeys([*originals, *converted]):
@@ -108,7 +119,9 @@ class HookState:
         return None
 
     def stale(self, gm: nn.Module) -> bool:
-        return self.stamp != RemovableHandle.next_id or self.graph is not gm.__dict__.get("_graph")
+        # A removal (prune.remove, remove_weight_norm) registers no hook: the traced-in computations are compared too.
+        return (self.stamp != RemovableHandle.next_id or self.graph is not gm.__dict__.get("_graph")
+                or (bool(self.computing) and weight_computations.stale_computation(self.computing)))
 
     def scan(self) -> list[tuple[str, str, str, Callable]]:
         """(path, whose, hook dict, hook) of every watched module with a hook now."""
@@ -154,6 +167,8 @@ def check_hooks(gm: fx.GraphModule) -> HookState:
     if state is None or state.graph is not gm.__dict__.get("_graph"):
         state = HookState(gm)
     hook_dispatch.refuse_global_hooks("while a converted module runs", AmpRuntimeError)
+    # a hook registered anywhere may be a new pruning: every module's computation is compared, before any rebuild
+    weight_computations.refuse_changed(state.computations, state.model_modules, state.converted_modules)
     found = state.scan()
     if found:
         _rebuild(gm, state, found)
@@ -169,11 +184,10 @@ def _kind(attr: str) -> str:
             "_backward_hooks": "full backward hook", "_backward_pre_hooks": "backward pre-hook"}[attr]
 
 
-def _refusal(found: list, why: str, exported: bool = False) -> AmpRuntimeError:
+def _refusal(found: list, why: str, exported: bool = False, failed_in: Optional[str] = None) -> AmpRuntimeError:
     path, whose, attr, hook = found[0]
     name = f"module {path!r}" if path else "module '' (the model itself)"
-    ways = ("torch.compile(model, backend='amp_fx'), which keeps hooks, or amp_fx.convert's symbolic route (mark the "
-            "part fx cannot trace as a leaf: leaf_modules=[...]), which keeps them live" if exported else
+    ways = (export_hook_advice(failed_in) if exported else
             "register the hook before amp_fx.convert (a module hooked at conversion keeps its hooks live, removal "
             "included), convert the model again after registering it, or use torch.compile(model, backend='amp_fx'), "
             "which keeps hooks")
@@ -187,7 +201,8 @@ def _rebuild(gm: fx.GraphModule, state: HookState, found: list) -> None:
     """Convert the original model again, with boundaries at the hooked paths, and take its graph (see module docstring)."""
     recipe = gm.__dict__.get(RECIPE_ATTR)
     if state.exported:
-        raise _refusal(found, "it was traced with torch.export, which runs hooks once while tracing", exported=True)
+        raise _refusal(found, "it was traced with torch.export, which runs hooks once while tracing", exported=True,
+                       failed_in=gm.__dict__.get(FX_FAILED_IN_ATTR))
     if recipe is None or recipe.model is None:
         raise _refusal(found, "the model it was converted from is not known to it (an unpickled converted module)")
     from amp_fx.core.api import convert

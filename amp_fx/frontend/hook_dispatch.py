@@ -43,9 +43,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 from torch.utils.hooks import BackwardHook
 
+from amp_fx.core.master_sync import sync_parameters_of
 from amp_fx.errors import AmpRuntimeError, UnsupportedConstructError
 
 __all__ = ["Frame", "enter", "leave", "unwind", "open_depth", "call_with_hooks", "user_hooks", "has_user_hooks",
@@ -169,6 +169,7 @@ def enter(modules: list[nn.Module], path: str, args: tuple, kwargs: dict) -> tup
             if result is not None:
                 args = frame.args = result if isinstance(result, tuple) else (result,)
                 changed = True
+    sync_parameters_of(modules)  # O2: a pre-hook that wrote a master in place (amp_fx/core/master_sync.py)
     if backward or backward_pre:
         frame.bw_hook = BackwardHook(modules[0], [_Bound(h, o) for _, h, o in backward],
                                      [_Bound(h, o) for _, h, o in backward_pre])
@@ -238,38 +239,6 @@ def call_with_hooks(modules: list[nn.Module], path: str, call: Callable[..., Any
     except Exception:
         unwind(depth)
         raise
-
-
-def same_structure(value: Any, spec: pytree.TreeSpec, old: Sequence[Any], traced: Sequence[bool], what: str,
-                   path: str) -> list[Any]:
-    """Flatten ``value`` as ``spec``; refuse what the graph cannot take (another structure, a changed constant)."""
-    try:
-        new = spec.flatten_up_to(value)
-    except Exception as error:  # any mismatch pytree reports
-        raise _structure_error(what, path, f"a value of another structure ({error})") from error
-    for i, (before, after) in enumerate(zip(old, new)):
-        if traced[i]:
-            if isinstance(before, torch.Tensor) != isinstance(after, torch.Tensor):
-                raise _structure_error(what, path, f"{type(after).__name__} in place of {type(before).__name__} at position {i}")
-        elif after is not before and not _equal(after, before):
-            raise _structure_error(what, path, f"{after!r} in place of {before!r} at position {i}, a value the "
-                                   "graph fixed at conversion")
-    return list(new)
-
-
-def _equal(a: Any, b: Any) -> bool:
-    try:
-        return type(a) is type(b) and bool(a == b)
-    except Exception:  # a comparison that does not give a bool: not equal
-        return False
-
-
-def _structure_error(what: str, path: str, detail: str) -> AmpRuntimeError:
-    hooks = "forward pre-hooks" if what == "input" else "forward hooks"
-    return AmpRuntimeError(
-        f"amp_fx: the {hooks} of module {path!r} gave its {what} {detail}. The converted graph was traced with the "
-        f"{what} the module had at conversion and can take only tensors in the same places. Keep the structure in "
-        "the hook, or use torch.compile(model, backend='amp_fx'), which traces the hooks' results.")
 
 
 _GLOBAL_HOOKS = (

@@ -10,13 +10,16 @@ rebuild, :mod:`amp_fx.core.live_hooks`), :func:`trace_hooked_call` (called by
 alone, or keeps the leaf's ``call_module`` node, between two boundaries::
 
     token = module_hook_enter(*inputs)             # forward pre-hooks; BackwardHook on the inputs
-    x_i   = module_hook_value(input_i, token, i)   # what the body reads
+    x_i   = module_hook_value(input_i, token, i)   # what the body reads (one per distinct value)
     ...                                            # the module's ops, as without hooks
     done  = module_hook_exit(token, *outputs)      # forward hooks; BackwardHook on the output
     y_j   = module_hook_value(output_j, done, j)   # what the caller reads
 
-Only tensors and other traced values pass through the nodes; constants stay
-on the :class:`HookSite` (one per call of a hooked module), with the pytree
+Only tensors and other traced values pass through the nodes, each once: a
+value at several positions (``blk(x, x)``) is one ``module_hook_value``, so
+``a is b`` holds in the body as in eager (:mod:`amp_fx.frontend.hook_structure`,
+which also checks what hooks return at run time).  Constants stay on the
+:class:`HookSite` (one per call of a hooked module), with the pytree
 structures of the inputs ``(args, kwargs)`` and of the output.  At run time
 the boundaries do what ``Module._call_impl`` does
 (:mod:`amp_fx.frontend.hook_dispatch`), reading the hooks live from the
@@ -30,9 +33,14 @@ into a module's hook dicts directly, without ``register_*_hook``.
 
 Precision is not touched: the three ops follow their inputs (reason "module
 hook boundary"), are identities in the dtype analysis's fake runs and rules,
-and no cast moves across them.  Pre-hooks that compute a weight
+and no cast moves across them.  A hook may hand on another floating dtype
+than traced (``out.float()``), which autocast takes: the analysis leaves the
+dtype of what leaves a boundary unknown (``opened_by_hooks`` in
+:mod:`amp_fx.core.dtype_rules`), so the readers' casts are guarded
+(``amp_cast``).  Pre-hooks that compute a weight
 (``weight_norm``, ``spectral_norm``, pruning) are part of the module's
-computation: traced into the graph as before, never dispatched.
+computation: traced into the graph as before, never dispatched (a later change
+to them is refused: :mod:`amp_fx.core.weight_computations`).
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from torch.utils import _pytree as pytree
 
 from amp_fx.errors import UnsupportedConstructError
 from amp_fx.frontend import hook_dispatch
+from amp_fx.frontend.hook_structure import check_replacement, join, per_slot, slots_of
 from amp_fx.frontend.hook_dispatch import COMPUTATION_HOOKS, has_user_hooks, refuse_non_full_backward_hooks
 
 __all__ = ["HookSite", "HookBoundary", "module_hook_value", "trace_hooked_call", "bind_sites", "sites_of",
@@ -176,9 +185,10 @@ class HookSite:
     def __init__(self, path: str, leaf: bool, in_spec: pytree.TreeSpec, in_leaves: Sequence[Any],
                  original: Optional[nn.Module] = None, uid: Optional[str] = None):
         self.path, self.leaf = path, leaf
-        self.in_spec, self.in_traced, self.in_constants = in_spec, *_split(in_leaves)
+        # per flat position: its slot (one per distinct traced value, hook_structure.py) or its constant
+        self.in_spec, (self.in_slots, self.in_constants, _) = in_spec, slots_of(in_leaves)
         self.out_spec: Optional[pytree.TreeSpec] = None
-        self.out_traced: tuple = ()
+        self.out_slots: tuple = ()
         self.out_constants: list = []
         self.original = weakref.ref(original) if original is not None else None
         self.owner: Optional[weakref.ref] = None  # the converted module whose graph holds this site
@@ -186,9 +196,11 @@ class HookSite:
         self.enter, self.exit = HookBoundary(self, "enter"), HookBoundary(self, "exit")
         _SITES[self.uid] = self
 
-    def set_output(self, spec: pytree.TreeSpec, leaves: Sequence[Any]) -> None:
+    def set_output(self, spec: pytree.TreeSpec, leaves: Sequence[Any]) -> list[fx.Proxy]:
+        """Record the output's structure; return one proxy per slot (what the exit boundary takes)."""
         self.out_spec = spec
-        self.out_traced, self.out_constants = _split(leaves)
+        self.out_slots, self.out_constants, unique = slots_of(leaves)
+        return unique
 
     def modules(self) -> list[nn.Module]:
         """The modules whose hooks run here, live: the original model's, then the converted module's (inlined modules only)."""
@@ -213,22 +225,26 @@ class HookSite:
         modules = self.modules()
         if not modules or not any(has_user_hooks(m) for m in modules):
             return _Values(traced)
-        leaves = _join(self.in_traced, self.in_constants, traced)
+        leaves = join(self.in_slots, self.in_constants, traced)
         frame, args, kwargs, changed = hook_dispatch.enter(modules, self.path, *pytree.tree_unflatten(leaves, self.in_spec))
-        if changed:
-            leaves = hook_dispatch.same_structure((args, kwargs), self.in_spec, leaves, self.in_traced, "input", self.path)
-        return _Frame(frame, traced, [v for v, t in zip(leaves, self.in_traced) if t])
+        if not changed:
+            return _Frame(frame, traced, list(traced))
+        leaves = check_replacement((args, kwargs), self.in_spec, leaves, self.in_slots, "input", self.path,
+                                   wrapped=frame.bw_hook is not None)
+        return _Frame(frame, traced, per_slot(leaves, self.in_slots))
 
     def run_exit(self, token: Any, traced: tuple) -> Optional[_Values]:
         if token is None:
             return None
         if not isinstance(token, _Frame):  # no hooks when the module was entered
             return _Values(traced)
-        leaves = _join(self.out_traced, self.out_constants, traced)
+        leaves = join(self.out_slots, self.out_constants, traced)
         result, changed = hook_dispatch.leave(token.frame, pytree.tree_unflatten(leaves, self.out_spec))
-        if changed:
-            leaves = hook_dispatch.same_structure(result, self.out_spec, leaves, self.out_traced, "output", self.path)
-        return _Values(traced, [v for v, t in zip(leaves, self.out_traced) if t])
+        if not changed:
+            return _Values(traced)
+        leaves = check_replacement(result, self.out_spec, leaves, self.out_slots, "output", self.path,
+                                   wrapped=token.frame.bw_hook is not None)
+        return _Values(traced, per_slot(leaves, self.out_slots))
 
     # -- copies ---------------------------------------------------------------------------
     def rebound(self, owner: nn.Module) -> "HookSite":
@@ -241,8 +257,8 @@ class HookSite:
         return site
 
     def payload(self) -> str:
-        state = (self.path, self.leaf, self.in_spec, self.in_traced, self.in_constants, self.out_spec,
-                 self.out_traced, self.out_constants)
+        state = (self.path, self.leaf, self.in_spec, self.in_slots, self.in_constants, self.out_spec,
+                 self.out_slots, self.out_constants)
         return pickle.dumps(state, protocol=4).hex()
 
 
@@ -252,16 +268,6 @@ class _Frame(_Values):
     def __init__(self, frame: hook_dispatch.Frame, given: Sequence[Any], values: list):
         super().__init__(given, values)
         self.frame = frame
-
-
-def _split(leaves: Sequence[Any]) -> tuple[tuple, list]:
-    traced = tuple(isinstance(v, fx.Proxy) for v in leaves)
-    return traced, [None if t else v for v, t in zip(leaves, traced)]
-
-
-def _join(traced: Sequence[bool], constants: Sequence[Any], values: Sequence[Any]) -> list:
-    it = iter(values)
-    return [next(it) if t else c for t, c in zip(traced, constants)]
 
 
 def __getattr__(name: str) -> Any:
@@ -275,10 +281,10 @@ def __getattr__(name: str) -> Any:
         with warnings.catch_warnings():  # torch's pytree warns about its own old spec classes while unpickling
             warnings.simplefilter("ignore", FutureWarning)
             state = pickle.loads(bytes.fromhex(payload))
-        path, leaf, in_spec, in_traced, in_constants, out_spec, out_traced, out_constants = state
+        path, leaf, in_spec, in_slots, in_constants, out_spec, out_slots, out_constants = state
         site = HookSite(path, leaf, in_spec, (), uid=uid)
-        site.in_traced, site.in_constants = in_traced, in_constants
-        site.out_spec, site.out_traced, site.out_constants = out_spec, out_traced, out_constants
+        site.in_slots, site.in_constants = in_slots, in_constants
+        site.out_spec, site.out_slots, site.out_constants = out_spec, out_slots, out_constants
     if site is None or kind not in ("enter", "exit"):
         raise AttributeError(f"{name}: a module hook boundary of a converted module that is gone (pickled without "
                              "its structure); convert the model again")
@@ -386,13 +392,10 @@ def trace_hooked_call(tracer: fx.Tracer, module: nn.Module, path: str, forward: 
     flat, in_spec = pytree.tree_flatten((args, kwargs))
     site = HookSite(path, tracer.is_leaf_module(module, path), in_spec, flat, original)
     scope = {**tracer.module_stack, path: (path, type(module))}
-    token = _create(tracer, site.enter, tuple(v for v in flat if isinstance(v, fx.Proxy)), scope)
-    inner, i = [], 0
-    for value in flat:
-        if isinstance(value, fx.Proxy):
-            value, i = _create(tracer, module_hook_value, (value, token, i), scope), i + 1
-        inner.append(value)
-    new_args, new_kwargs = pytree.tree_unflatten(inner, in_spec)
+    unique = slots_of(flat)[2]  # the same value at several positions passes once: `a is b` holds in the body
+    token = _create(tracer, site.enter, tuple(unique), scope)
+    values = [_create(tracer, module_hook_value, (value, token, i), scope) for i, value in enumerate(unique)]
+    new_args, new_kwargs = pytree.tree_unflatten(join(site.in_slots, site.in_constants, values), in_spec)
 
     def body(*a: Any, **k: Any) -> Any:
         for hook in _computation_pre_hooks(module):
@@ -404,11 +407,7 @@ def trace_hooked_call(tracer: fx.Tracer, module: nn.Module, path: str, forward: 
     with _no_proxies_left(module):
         out = call_module(module, body, new_args, new_kwargs)
     out_flat, out_spec = pytree.tree_flatten(out)
-    site.set_output(out_spec, out_flat)
-    done = _create(tracer, site.exit, (token, *(v for v in out_flat if isinstance(v, fx.Proxy))), scope)
-    outs, j = [], 0
-    for value in out_flat:
-        if isinstance(value, fx.Proxy):
-            value, j = _create(tracer, module_hook_value, (value, done, j), scope), j + 1
-        outs.append(value)
-    return pytree.tree_unflatten(outs, out_spec)
+    unique = site.set_output(out_spec, out_flat)
+    done = _create(tracer, site.exit, (token, *unique), scope)
+    values = [_create(tracer, module_hook_value, (value, done, j), scope) for j, value in enumerate(unique)]
+    return pytree.tree_unflatten(join(site.out_slots, site.out_constants, values), out_spec)

@@ -29,7 +29,10 @@ from amp_fx.frontend.export_guards import watched_export
 from amp_fx.frontend.source_lines import innermost_user_frame, is_library_file
 from amp_fx.frontend.train_flags import FROZEN_ATTR, TrainingReads
 
-__all__ = ["AmpTracer", "AmpTraceError", "trace_model", "DEFAULT_LEAF_TYPES", "module_stack_of", "user_frame"]
+__all__ = ["AmpTracer", "AmpTraceError", "trace_model", "DEFAULT_LEAF_TYPES", "module_stack_of", "user_frame",
+           "export_hook_advice", "FX_FAILED_IN_ATTR"]
+# On a module traced by torch.export: the module fx failed in ("" the model's own forward), for later advice.
+FX_FAILED_IN_ATTR = "amp_fx_fx_failed_in"
 
 # Modules kept whole: their forward reads self.training (tracing would freeze
 # train or eval mode into the graph) or is not symbolically traceable.
@@ -231,7 +234,27 @@ def _describe_failure(error: BaseException, tracer: AmpTracer) -> str:
     return f"{type(error).__name__}: {error}\n  in module {module!r}\n  at {where}"
 
 
-def _refuse_hooks_on_export(model: nn.Module, failure: str) -> None:
+def _failing_module(tracer: AmpTracer) -> str:
+    """The path of the module whose forward fx failed in ("" for the model's own forward)."""
+    scope = list(getattr(tracer, "module_stack", {}) or {})
+    return str(scope[-1]).split("@")[0] if scope and scope[-1] else ""
+
+
+def export_hook_advice(failed_in: Optional[str]) -> str:
+    """The routes that keep hooks when fx cannot trace a model: the backend, and a leaf only where it helps."""
+    backend = "torch.compile(model, backend='amp_fx'), which keeps hooks"
+    if failed_in is None:  # not known here
+        return (f"{backend}; or, if fx failed inside a submodule rather than in the model's own forward (the "
+                "conversion's error says where), amp_fx.convert's symbolic route with that submodule kept whole "
+                "(leaf_modules=['its.path']), which keeps hooks live")
+    if not failed_in:
+        return (f"{backend} (fx fails in the model's own forward, which cannot be a leaf, so amp_fx.convert has only "
+                "the torch.export route for it)")
+    return (f"{backend}; or amp_fx.convert with the module fx fails in kept whole (leaf_modules=[{failed_in!r}]): "
+            "the symbolic route keeps hooks live")
+
+
+def _refuse_hooks_on_export(model: nn.Module, failure: str, failed_in: str) -> None:
     """torch.export runs module hooks once while it traces and keeps their effect: refuse a hooked model on that route."""
     for path, module in model.named_modules():
         for attr in hook_dispatch.HOOK_DICTS:
@@ -243,9 +266,8 @@ def _refuse_hooks_on_export(model: nn.Module, failure: str) -> None:
                     f"{name} ({type(module).__name__}) has a {kind} ({hook_dispatch._name(hooks[0][1])}), and amp_fx "
                     f"would have to trace {type(model).__name__} with torch.export: fx could not ({failure.splitlines()[0]}). "
                     "torch.export runs hooks once while it traces and keeps their effect in the graph (an observing "
-                    "hook would never fire again, a backward hook never). Routes that keep hooks: "
-                    "torch.compile(model, backend='amp_fx'), or amp_fx.convert's symbolic route (mark the part fx "
-                    "cannot trace as a leaf: leaf_modules=[...]).",
+                    f"hook would never fire again, a backward hook never). Routes that keep hooks: "
+                    f"{export_hook_advice(failed_in)}.",
                     construct="module hooks on the torch.export route", where="")
 
 
@@ -280,12 +302,15 @@ def trace_model(
     except Exception as error:  # any tracing failure: report it with context below
         symbolic_error = error
         failure = _describe_failure(error, tracer)
+        failed_in = _failing_module(tracer)
     if example_inputs is not None or example_kwarg_inputs is not None:
-        _refuse_hooks_on_export(originals, failure)
+        _refuse_hooks_on_export(originals, failure, failed_in)
         try:
             args, kwargs = tuple(example_inputs or ()), dict(example_kwarg_inputs or {})
             # refuse what torch.export would drop silently (amp_fx/frontend/export_guards.py)
-            return watched_export(model, lambda: _export_trace(model, args, kwargs, module_class, dynamic_shapes)), "torch.export"
+            exported = watched_export(model, lambda: _export_trace(model, args, kwargs, module_class, dynamic_shapes))
+            setattr(exported, FX_FAILED_IN_ATTR, failed_in)  # where a hook's refusal says a leaf helps (core/live_hooks.py)
+            return exported, "torch.export"
         except UnsupportedConstructError:
             raise
         except Exception as error:

@@ -88,10 +88,44 @@ def test_the_export_route_refuses_a_hooked_model():
     assert gm.amp_report.route == "torch.export"
     out = gm(x)
     model.inner.fc2.register_forward_hook(lambda mod, a, o: o + 1.0)
-    with pytest.raises(AmpRuntimeError, match=r"'inner\.fc2'.*torch\.export.*backend='amp_fx'"):
+    with pytest.raises(AmpRuntimeError, match=r"'inner\.fc2'.*torch\.export.*backend='amp_fx'.*cannot be a leaf"):
         gm(x)
     compiled = torch.compile(model, backend=amp_fx.backend(level="O1", inner="aot_eager"))
     torch.testing.assert_close(compiled(x), out + 1.0, **BOUND)  # the route the error names keeps the hook
+
+
+def test_the_export_refusal_advises_a_leaf_only_where_one_helps():
+    """fx failing in the model's own forward (Untraceable, as HF models do): the backend only, no leaf advice (the
+    tester's complaint). fx failing in a submodule: the leaf is named, and converting with it keeps the hook live."""
+    model = Untraceable()
+    model.inner.fc2.register_forward_hook(lambda mod, a, o: o + 1.0)
+    x = torch.randn(4, 8)
+    with pytest.raises(UnsupportedConstructError, match="model's own forward, which cannot be a leaf") as refused:
+        amp_fx.convert(model, "O1", example_inputs=(x,))
+    assert "leaf_modules=[" not in str(refused.value)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = Untraceable()
+            self.head = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    model = Outer()
+    model.head.register_forward_hook(lambda mod, a, o: o + 1.0)
+    with pytest.raises(UnsupportedConstructError, match=r"leaf_modules=\['body'\]"):
+        amp_fx.convert(model, "O1", example_inputs=(x,))
+    gm = amp_fx.convert(model, "O1", leaf_modules=["body"])
+    assert gm.amp_report.route == "symbolic_trace"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x).float()
+    torch.testing.assert_close(gm(x), expected, **BOUND)  # the hook's +1.0 in both
+    model.body.inner.fc1.register_forward_hook(lambda mod, a, o: o * 0.0)  # inside the leaf, after conversion
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x).float()
+    torch.testing.assert_close(gm(x), expected, **BOUND)
 
 
 def test_the_backend_keeps_global_module_hooks_that_convert_refuses():
