@@ -114,9 +114,10 @@ def _current(recorded: dict[str, Signature], model_modules: list, converted_modu
             yield path, module, "the model's", signature(module), recorded.get(path)
     for path, module in converted_modules:
         if path and module.__dict__.get("_forward_pre_hooks"):  # (the converted module itself is the graph)
-            # Its modules are clones or fx's containers, with no or the model's hooks: only a new one counts.
-            known = {id(part[2]) for part in recorded.get(path) or () if part[0] == "hook"}
-            new = tuple(part for part in signature(module) or () if part[0] == "hook" and id(part[2]) not in known)
+            # Its modules are clones (of the model, or of its copy at O2/O3) or fx's containers, with none or the
+            # model's computation hooks: only another kind of hook counts.
+            known = {part[1] for part in recorded.get(path) or () if part[0] == "hook"}
+            new = tuple(part for part in signature(module) or () if part[0] == "hook" and part[1] not in known)
             if new:
                 yield path, module, "the converted module's", new, ()
 

@@ -618,3 +618,43 @@ def test_an_unchanged_weight_computation_keeps_running():
         model[0].weight_orig.mul_(2.0)
     assert torch.equal(gm(x), model(x)) and torch.equal(gm(x), gm(x))
 
+
+
+@pytest.mark.parametrize("register, message", [
+    (lambda m: m.fc1.register_forward_hook(lambda mod, a, o: (o, o)), r"'fc1'.*gave its output tuple in place of Tensor at the output.*Keep the structure"),
+    (lambda m: m.gated.register_forward_pre_hook(lambda mod, a, k: (a, {"gate": 0.5}), with_kwargs=True),
+     r"'gated'.*float in place of Tensor at keyword argument 'gate'"),
+])
+def test_a_hook_that_changes_the_structure_is_refused(register, message):
+    model = Net()
+    register(model)
+    gm = amp_fx.convert(model, "O1")
+    with pytest.raises(AmpRuntimeError, match=message):
+        gm(torch.randn(4, 8))
+
+
+def test_replacing_a_python_constant_says_the_graph_fixed_it():
+    class Scaled(nn.Module):
+        def forward(self, x, scale=1.0):
+            return x * scale
+
+    class Caller(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.scaled = Scaled()
+
+        def forward(self, x):
+            return self.scaled(self.fc(x), scale=2.0)
+
+    model = Caller()
+    handle = model.scaled.register_forward_pre_hook(lambda mod, a, k: (a, {"scale": 3.0}), with_kwargs=True)
+    gm = amp_fx.convert(model, "O1")
+    with pytest.raises(AmpRuntimeError, match=r"keyword argument 'scale'.*constant.*2\.0.*by 3\.0.*fx fixed that value"):
+        gm(torch.randn(2, 8))
+    handle.remove()  # a hook that returns the value the module got runs
+    model.scaled.register_forward_pre_hook(lambda mod, a, k: (a, dict(k)), with_kwargs=True)
+    x = torch.randn(2, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x).float()
+    torch.testing.assert_close(gm(x), expected, **BOUND)
