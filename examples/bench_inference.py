@@ -8,7 +8,7 @@ size.  Modes, each on its own copy of the model in ``eval()`` under
 - ``torch.autocast``: the model under ``torch.autocast`` (it casts every
   weight on every forward);
 - ``amp_fx O1``: ``convert(O1)``: its weight casts are cached after the first
-  forward (:mod:`amp_fx.core.cast_cache`);
+  forward (:mod:`amp_fx.graph_ops.cast_cache`);
 - ``amp_fx O1 no cache``: ``convert(O1, cache_casts=False)``, the lever off.
 
 Forwards are timed in interleaved rounds (:class:`bench_measure.RoundTimer`);

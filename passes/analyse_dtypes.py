@@ -1,4 +1,4 @@
-"""Analysis: every value's dtype, shape and aliasing in the rewritten program (see :mod:`amp_fx.core.analysis`).
+"""Analysis: every value's dtype, shape and aliasing in the rewritten program (see :mod:`amp_fx.ir.analysis`).
 
 Runs once the paint exists (after ``assign_precision``, the region passes
 and ``cast_params``); ``minimize_casts`` analyses again if it repaints.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from amp_fx.core.analysis import analyse
-from amp_fx.core.pass_manager import PassContext, PassResult
+from amp_fx.ir.analysis import analyse
+from amp_fx.ir.pass_manager import PassContext, PassResult
 
 __all__ = ["analyse_dtypes"]
 

@@ -31,12 +31,12 @@ import torch.fx as fx
 
 from amp_fx.frontend import regions
 
-from amp_fx.core import tables
+from amp_fx.ir import tables
 from amp_fx.frontend.declared_precision import declared_precision, policy_target
 from amp_fx.errors import BannedOpError, UnknownOpError
-from amp_fx.core.cast_nodes import written_cast_dtype
-from amp_fx.core.op_keys import CAST_OPS
-from amp_fx.core.pass_manager import PassContext, PassResult
+from amp_fx.ir.cast_nodes import written_cast_dtype
+from amp_fx.ir.op_keys import CAST_OPS
+from amp_fx.ir.pass_manager import PassContext, PassResult
 
 __all__ = ["assign_precision", "DECISION_KEY", "REASON_KEY"]
 

@@ -1,9 +1,9 @@
-"""Rewrite: parameter casts become :func:`amp_fx.core.cast_cache.cached_cast`, reused across forwards in inference.
+"""Rewrite: parameter casts become :func:`amp_fx.graph_ops.cast_cache.cached_cast`, reused across forwards in inference.
 
 ``insert_casts`` casts each fp32 parameter once per forward (``w.to(bf16)``).
 Under ``torch.no_grad()`` / ``inference_mode`` (or for a frozen parameter)
 that cast gives the same tensor until the parameter changes, so this pass
-swaps it for :func:`~amp_fx.core.cast_cache.cached_cast`, which serves the cast
+swaps it for :func:`~amp_fx.graph_ops.cast_cache.cached_cast`, which serves the cast
 made by an earlier forward while the parameter's version counter, storage
 and shape say it is unchanged, and is an ordinary autograd cast otherwise
 (training).  Repeated inference then pays no weight casts at all.
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from amp_fx.core import meta, tables
-from amp_fx.core.cast_cache import cached_cast
-from amp_fx.core.cast_nodes import cast_source, cast_target, is_inserted_cast
-from amp_fx.core.pass_manager import PassContext, PassResult
+from amp_fx.ir import meta, tables
+from amp_fx.graph_ops.cast_cache import cached_cast
+from amp_fx.ir.cast_nodes import cast_source, cast_target, is_inserted_cast
+from amp_fx.ir.pass_manager import PassContext, PassResult
 
 __all__ = ["cache_weight_casts"]
 

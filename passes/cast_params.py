@@ -9,7 +9,7 @@ the graph (the tensors a norm node consumes, or the whole leaf module it
 calls), so it works on symbolic and ``torch.export`` graphs alike.
 
 Buffers: ``convert`` hands over a copy whose buffers are the model's own
-tensors (:mod:`amp_fx.core.buffer_state`), so a buffer is never re-typed in
+tensors (:mod:`amp_fx.converter.buffer_state`), so a buffer is never re-typed in
 place: a buffer cast low becomes a new tensor of the converted module, and one
 that keeps its dtype stays the model's.  A floating buffer the forward writes
 in place outside a norm (an EMA, a float step counter) keeps its dtype:
@@ -27,10 +27,10 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from amp_fx.core import meta
-from amp_fx.core.analysis import alias_root
-from amp_fx.core.pass_manager import PassContext, PassResult
-from amp_fx.core.tables import NORM_OPS
+from amp_fx.ir import meta
+from amp_fx.ir.analysis import alias_root
+from amp_fx.ir.pass_manager import PassContext, PassResult
+from amp_fx.ir.tables import NORM_OPS
 
 __all__ = ["cast_params", "norm_tensor_names"]
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from amp_fx.core import tables
-from amp_fx.core.analysis import alias_root, mutated_roots
-from amp_fx.core.cast_nodes import CastBuilder, cast_source, cast_target, is_inserted_cast
-from amp_fx.core.meta import FLOAT_DTYPE
-from amp_fx.core.pass_manager import PassContext, PassResult
+from amp_fx.ir import tables
+from amp_fx.ir.analysis import alias_root, mutated_roots
+from amp_fx.ir.cast_nodes import CastBuilder, cast_source, cast_target, is_inserted_cast
+from amp_fx.ir.meta import FLOAT_DTYPE
+from amp_fx.ir.pass_manager import PassContext, PassResult
 
 __all__ = ["dedupe_casts"]
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from amp_fx.core.cast_nodes import cast_source, cast_target, is_inserted_cast, is_model_cast
-from amp_fx.core.pass_manager import PassContext, PassResult
-from amp_fx.core.analysis import alias_root, mutated_roots
-from amp_fx.core.meta import FLOAT_DTYPE, float_dtype
+from amp_fx.ir.cast_nodes import cast_source, cast_target, is_inserted_cast, is_model_cast
+from amp_fx.ir.pass_manager import PassContext, PassResult
+from amp_fx.ir.analysis import alias_root, mutated_roots
+from amp_fx.ir.meta import FLOAT_DTYPE, float_dtype
 
 __all__ = ["fold_casts"]
 

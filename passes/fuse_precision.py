@@ -20,7 +20,7 @@ A node is fused when (checked on the dtype analysis of the final paint):
    with an fp32 result keeps the cast form, since fusing would round its input.
 
 The node keeps its ``fp32`` decision (the report shows it with a "fused"
-reason) and is marked ``meta.FUSED``; :func:`amp_fx.core.analysis.input_target`
+reason) and is marked ``meta.FUSED``; :func:`amp_fx.ir.analysis.input_target`
 then asks for its inputs as they arrive, and the analysis is re-run so every
 reader sees the low result.  ``insert_casts`` writes no cast for it.
 
@@ -28,7 +28,7 @@ Which forms: each was measured against the cast form (``tests/passes/
 test_fuse_precision.py``): output within 1 low-dtype ulp, and input, weight
 and bias gradients as precise as the cast form's against fp64.  Affine
 ``group_norm`` and ``instance_norm`` run CPU's mixed-dtype kernel as it is.
-``layer_norm`` (bf16 only) is *retargeted* to :func:`amp_fx.core.fused_norms.
+``layer_norm`` (bf16 only) is *retargeted* to :func:`amp_fx.graph_ops.fused_norms.
 layer_norm_fp32_stats`: CPU's mixed-dtype forward, but the cast form's fp32
 backward on the saved low input, since CPU's own mixed-dtype backward
 accumulates the weight and bias gradients in the low dtype (~1-2% relative
@@ -52,10 +52,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from amp_fx.core import meta, tables
-from amp_fx.core.fused_norms import layer_norm_fp32_stats
-from amp_fx.core.analysis import analyse, input_target, node_inputs
-from amp_fx.core.pass_manager import PassContext, PassResult
+from amp_fx.ir import meta, tables
+from amp_fx.graph_ops.fused_norms import layer_norm_fp32_stats
+from amp_fx.ir.analysis import analyse, input_target, node_inputs
+from amp_fx.ir.pass_manager import PassContext, PassResult
 
 __all__ = ["fuse_precision", "FUSED_FORMS"]
 

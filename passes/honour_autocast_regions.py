@@ -38,8 +38,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from amp_fx.core import tables
-from amp_fx.core.pass_manager import PassContext, PassResult
+from amp_fx.ir import tables
+from amp_fx.ir.pass_manager import PassContext, PassResult
 from amp_fx.frontend.regions_export import NOTES_ATTR
 from amp_fx.frontend.regions import GRAD_READ_KEY, LOW_DTYPE_KEY, Region, autocast_rule, marker_role, region_stacks, separate_grad_reads
 from amp_fx.frontend.train_flags import FROZEN_ATTR

@@ -1,18 +1,18 @@
 """Rewrite: insert the casts that the precision paint asks for, one per (value, dtype).
 
 Reads ``amp_fx.decision`` (written by ``assign_precision``) and the dtype
-analysis (:mod:`amp_fx.core.analysis`, which it runs if no answer is stored yet),
+analysis (:mod:`amp_fx.ir.analysis`, which it runs if no answer is stored yet),
 and models no dtype of its own.  For every node, the analysis says which
-dtype its floating inputs must arrive in (:func:`~amp_fx.core.analysis.input_target`);
+dtype its floating inputs must arrive in (:func:`~amp_fx.ir.analysis.input_target`);
 a consumer that needs another dtype than its input has gets a cast.  Every
 consumer of the same value and dtype shares that one cast, so a parameter
 used by several ops is cast once per forward.
 
 Where the value is known to be a floating tensor the cast is a plain
 ``x.to(dtype)``; where it is not known (a graph input without example
-inputs) it is :func:`amp_fx.core.casts.amp_cast`, which leaves integer, bool and
+inputs) it is :func:`amp_fx.graph_ops.casts.amp_cast`, which leaves integer, bool and
 complex tensors untouched.  Leaf modules that must run in another dtype get
-their parameters' casts through :func:`amp_fx.core.casts.call_with_params`.
+their parameters' casts through :func:`amp_fx.graph_ops.casts.call_with_params`.
 The dtype checks that torch.export records (``_assert_tensor_metadata``) are
 kept true to the rewritten program.
 """
@@ -26,12 +26,12 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from amp_fx.core import meta
-from amp_fx.core.analysis import ValueInfo, analyse, input_target, may_be_float_tensor, promoting_inputs
-from amp_fx.core.cast_nodes import CastBuilder, cast_source
-from amp_fx.core.casts import amp_promote, call_with_params
+from amp_fx.ir import meta
+from amp_fx.ir.analysis import ValueInfo, analyse, input_target, may_be_float_tensor, promoting_inputs
+from amp_fx.ir.cast_nodes import CastBuilder, cast_source
+from amp_fx.graph_ops.casts import amp_promote, call_with_params
 from amp_fx.errors import UnsupportedConstructError
-from amp_fx.core.pass_manager import PassContext, PassResult
+from amp_fx.ir.pass_manager import PassContext, PassResult
 
 __all__ = ["insert_casts"]
 

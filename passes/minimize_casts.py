@@ -17,7 +17,7 @@ every *free* node:
    ops with ``dtype=`` and anything else are not, and the values they read
    keep their dtype: they compute what they computed before.
 3. A cast weighs the bytes it reads plus writes (sizes from the dtype
-   analysis, :func:`amp_fx.core.analysis.numel_estimates`, which estimates where
+   analysis, :func:`amp_fx.ir.analysis.numel_estimates`, which estimates where
    shapes are unknown).  Integer, bool and non-tensor values cost
    nothing.  A value is cast once per dtype however many readers it has: an
    auxiliary vertex per value and direction makes the cut pay it once.
@@ -34,7 +34,7 @@ every *free* node:
 7. A free node whose new dtype is not what following its inputs gives is
    repainted ``"low"``/``"fp32"`` (reason ``"placed low: min-cut"``);
    ``insert_casts`` writes the casts.  The placement is kept only if the casts
-   it implies (:func:`amp_fx.core.analysis.planned_casts`, read off the dtype
+   it implies (:func:`amp_fx.ir.analysis.planned_casts`, read off the dtype
    analysis of each paint) move fewer bytes than the greedy placement's.
 
 Graph inputs whose dtype is unknown (no example inputs) are costed as fp32:
@@ -51,15 +51,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
-import networkx as nx
 import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from amp_fx.core import meta
-from amp_fx.core.analysis import Analysis, ValueInfo, analyse, explicit_dtype, mutated_values, promoting_inputs
-from amp_fx.core.cast_costs import ELEMENT_SIZE, numel_estimates, planned_casts, static_numel
-from amp_fx.core.pass_manager import PassContext, PassResult
+from amp_fx.ir import meta
+from amp_fx.ir.analysis import Analysis, ValueInfo, analyse, explicit_dtype, mutated_values, promoting_inputs
+from amp_fx.ir.cast_costs import ELEMENT_SIZE, numel_estimates, planned_casts, static_numel
+from amp_fx.ir.pass_manager import PassContext, PassResult
 
 __all__ = ["minimize_casts", "CastProblem", "build_problem", "measure_cast_bytes", "cost_view"]
 
@@ -198,6 +197,8 @@ class CastProblem:
 
     def solve(self) -> dict[fx.Node, int]:
         """The cheapest sides for the free nodes (networkx minimum_cut; ties go to the greedy side)."""
+        import networkx as nx  # loaded on first use: `import amp_fx` stays light
+
         free = set(self.free)
         # Costs are scaled so that the unit edges pulling each free node to its
         # greedy side only break ties: they add up to less than one byte.
@@ -450,6 +451,7 @@ def _report_line(greedy: int, placed: int, moved: dict, free: int, estimated: bo
 
 def minimize_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Repaint free nodes so that the casts move the fewest bytes (see module docstring)."""
+    import networkx as nx  # loaded on first use: `import amp_fx` stays light
     graph = gm.graph
     if any(node.meta.get(meta.INSERTED) for node in graph.nodes):
         return PassResult(gm, False, {"skipped": "the graph already has its casts (minimize_casts runs before insert_casts)"})

@@ -38,9 +38,9 @@ import torch
 import torch.fx as fx
 from torch.fx import Proxy
 
-from amp_fx.core.cast_nodes import cast_source, cast_target, is_inserted_cast
-from amp_fx.core.pass_manager import PassContext, PassResult
-from amp_fx.core.meta import FLOAT_DTYPE as FLOAT_KEY, VALUE, float_dtype
+from amp_fx.ir.cast_nodes import cast_source, cast_target, is_inserted_cast
+from amp_fx.ir.pass_manager import PassContext, PassResult
+from amp_fx.ir.meta import FLOAT_DTYPE as FLOAT_KEY, VALUE, float_dtype
 
 __all__ = ["pad_gemm", "can_pad", "should_pad", "alignment_for", "padded_size", "find_gemm", "Gemm",
            "pad_cast", "unpad", "MIN_WORK", "MAX_GROWTH", "ASSUMED_ROWS"]

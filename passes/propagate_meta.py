@@ -1,6 +1,6 @@
 """Analysis: annotate every node with its op, module scope, source line and what its example value says.
 
-Writes ``node.meta`` keys (names in :mod:`amp_fx.core.meta`):
+Writes ``node.meta`` keys (names in :mod:`amp_fx.ir.meta`):
 
 - ``OP`` / ``INPLACE``: canonical op name and in-place flag
 - ``MODULE_PATH`` / ``MODULE_STACK``: enclosing modules, innermost first
@@ -9,7 +9,7 @@ Writes ``node.meta`` keys (names in :mod:`amp_fx.core.meta`):
 - ``IS_TENSOR`` / ``IS_FLOAT`` / ``SHAPE`` / ``ORIG_DTYPE``: a first answer,
   read off the example values Dynamo or torch.export recorded and off the
   example inputs bound to the graph inputs (floatness and shapes do not
-  depend on precision); the dtype analysis (:mod:`amp_fx.core.analysis`, after the
+  depend on precision); the dtype analysis (:mod:`amp_fx.ir.analysis`, after the
   paint) gives the final answer for the rewritten program.
 
 The original program is never replayed: with low-precision inputs it may be
@@ -23,11 +23,11 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from amp_fx.core import meta
-from amp_fx.core.analysis import ValueInfo, eval_mode, placeholder_examples
-from amp_fx.core.meta import example_value
-from amp_fx.core.op_keys import canonical_op, is_inplace
-from amp_fx.core.pass_manager import PassContext, PassResult
+from amp_fx.ir import meta
+from amp_fx.ir.analysis import ValueInfo, eval_mode, placeholder_examples
+from amp_fx.ir.meta import example_value
+from amp_fx.ir.op_keys import canonical_op, is_inplace
+from amp_fx.ir.pass_manager import PassContext, PassResult
 from amp_fx.frontend.tracing import module_stack_of, user_frame
 
 __all__ = ["propagate_meta", "example_value", "eval_mode"]

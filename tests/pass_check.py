@@ -24,8 +24,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from amp_fx.core.config import make_config
-from amp_fx.core.pass_manager import PassContext, run_passes
+from amp_fx.ir.config import make_config
+from amp_fx.ir.pass_manager import PassContext, run_passes
 from amp_fx.passes.analyse_dtypes import analyse_dtypes
 from amp_fx.passes.assign_precision import assign_precision
 from amp_fx.passes.cache_weight_casts import cache_weight_casts
@@ -36,7 +36,7 @@ from amp_fx.passes.fuse_precision import fuse_precision
 from amp_fx.passes.honour_autocast_regions import honour_autocast_regions
 from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.propagate_meta import propagate_meta
-from amp_fx.core.policy import Policy
+from amp_fx.ir.policy import Policy
 from amp_fx.frontend.tracing import trace_model
 
 # build_pipeline's order, less the optional minimize_casts and pad_gemm (their tests convert whole models).

@@ -73,7 +73,7 @@ def test_parameter_casts_sit_just_before_their_first_reader():
     low-precision weight gradient alive to the end (measured under inductor).
     """
     import amp_fx
-    from amp_fx.core.cast_nodes import cast_source, is_inserted_cast
+    from amp_fx.ir.cast_nodes import cast_source, is_inserted_cast
     from bench_models import Encoder, ExportOnly
 
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
-from amp_fx.core.cast_cache import cached_cast, cast_cache_size, clear_cast_cache
+from amp_fx.graph_ops.cast_cache import cached_cast, cast_cache_size, clear_cast_cache
 
 
 class ParamCasts(TorchDispatchMode):

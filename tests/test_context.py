@@ -1,7 +1,7 @@
-"""The typed pass context and the one device rule (amp_fx/core/devices.py), each resolved once per conversion.
+"""The typed pass context and the one device rule (amp_fx/ir/devices.py), each resolved once per conversion.
 
 Also amp_fx's own train/eval switches (no frozen-mode warning, no frame
-inspection) and the one outer-autocast guard (amp_fx/core/outer_autocast.py).
+inspection) and the one outer-autocast guard (amp_fx/graph_ops/outer_autocast.py).
 """
 
 import dataclasses
@@ -14,14 +14,14 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import amp_fx
-import amp_fx.core.api as api
-import amp_fx.core.pass_manager as pass_manager
-from amp_fx.core.analysis import eval_mode
-from amp_fx.core.config import make_config
-from amp_fx.core.devices import device_type_of, low_dtype_for
-from amp_fx.core.graph_module import FrozenTrainingWarning, switching_modes
-from amp_fx.core.outer_autocast import call_without_outer_autocast, no_outer_autocast
-from amp_fx.core.pass_manager import PassContext, run_passes
+import amp_fx.converter.api as api
+import amp_fx.ir.pass_manager as pass_manager
+from amp_fx.ir.analysis import eval_mode
+from amp_fx.ir.config import make_config
+from amp_fx.ir.devices import device_type_of, low_dtype_for
+from amp_fx.converter.graph_module import FrozenTrainingWarning, switching_modes
+from amp_fx.graph_ops.outer_autocast import call_without_outer_autocast, no_outer_autocast
+from amp_fx.ir.pass_manager import PassContext, run_passes
 from amp_fx.passes.propagate_meta import propagate_meta
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import amp_fx
 import zoo
-from amp_fx.core.cast_nodes import cast_source, cast_target, is_inserted_cast
+from amp_fx.ir.cast_nodes import cast_source, cast_target, is_inserted_cast
 from probes import OpRecorder
 
 LOW_DTYPES = [torch.bfloat16, torch.float16]
@@ -175,8 +175,8 @@ def test_converting_twice_changes_nothing_and_says_so():
 
 
 def test_rerunning_the_pipeline_on_a_converted_graph_inserts_nothing():
-    from amp_fx.core.pass_manager import PassContext
-    from amp_fx.core.pipeline import rewrite_graph
+    from amp_fx.ir.pass_manager import PassContext
+    from amp_fx.converter.pipeline import rewrite_graph
 
     gm = amp_fx.convert(zoo.SDPABlock(), "O1")
     code = gm.code

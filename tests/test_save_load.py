@@ -22,7 +22,7 @@ import torch.nn as nn
 
 import amp_fx
 import zoo
-from amp_fx.core.cast_nodes import cast_target
+from amp_fx.ir.cast_nodes import cast_target
 from probes import GEMM_OPS, OpRecorder
 
 LEVELS = ["O1", "O2", "O3"]
@@ -120,9 +120,9 @@ def test_runtime_promote_helpers_survive_pickling():
             return torch.cat([a, b.to(torch.bfloat16)]) * 2
 
     gm = amp_fx.convert(Mixed(), "O1")
-    assert any(n.target is amp_fx.core.casts.amp_promote for n in gm.graph.nodes)
+    assert any(n.target is amp_fx.graph_ops.casts.amp_promote for n in gm.graph.nodes)
     again = pickle.loads(pickle.dumps(gm))
-    assert any(n.target is amp_fx.core.casts.amp_promote for n in again.graph.nodes)
+    assert any(n.target is amp_fx.graph_ops.casts.amp_promote for n in again.graph.nodes)
     a, b = torch.randn(2, 3), torch.randn(2, 3)
     assert again(a, b).dtype == torch.float32 and torch.equal(again(a, b), gm(a, b))
 
@@ -147,7 +147,7 @@ def test_to_folder_writes_a_module_that_imports_the_cast_helpers(tmp_path, name,
     _, gm, example = _converted(name, level)
     gm.to_folder(tmp_path, "Converted")
     code = (tmp_path / "module.py").read_text()
-    assert "from amp_fx.core.casts import amp_cast" in code
+    assert "from amp_fx.graph_ops.casts import amp_cast" in code
     loaded = _import_folder(tmp_path, "Converted")().eval()
     out, casts = _run(loaded, example)
     ref, ref_casts = _run(gm, example)
@@ -188,7 +188,7 @@ def test_fx_interpreter_runs_a_leaf_module_with_cast_parameters():
     immutable dict; functional_call updated it in place ("'immutable_dict' object does not support
     mutation").  Fixed by giving functional_call a copy."""
     _, gm, example = _converted("lstm", "O1")
-    assert any(n.target is amp_fx.core.casts.call_with_params for n in gm.graph.nodes)
+    assert any(n.target is amp_fx.graph_ops.casts.call_with_params for n in gm.graph.nodes)
     assert torch.equal(fx.Interpreter(gm).run(*example), gm(*example))
 
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_fx
-from amp_fx.core import tables
+from amp_fx.ir import tables
 
 LOW = torch.bfloat16
 

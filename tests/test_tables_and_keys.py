@@ -9,8 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_fx
-from amp_fx.core import tables
-from amp_fx.core.op_keys import canonical_op, is_inplace, module_op_name
+from amp_fx.ir import tables
+from amp_fx.ir.op_keys import canonical_op, is_inplace, module_op_name
 
 # Canonical names that are not ATen op names: torch-level composites the
 # autocast reference lists by their Python name.

@@ -29,11 +29,11 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from amp_fx.core.api import convert
+from amp_fx.converter.api import convert
 from amp_fx.apex.optimizers import OptimizerRecord, check_ownership, fit_optimizer
 from amp_fx.apex.properties import AmpProperties, build_scalers, resolve_properties
 from amp_fx.errors import AmpError, AmpIndexError, AmpRuntimeError, AmpTypeError, AmpValueError
-from amp_fx.core.graph_module import AmpGraphModule
+from amp_fx.converter.graph_module import AmpGraphModule
 from amp_fx.runtime import LossScaler
 from amp_fx.runtime.modules import is_compiled, unwrap_compiled
 

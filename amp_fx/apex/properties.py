@@ -15,8 +15,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from amp_fx.core.api import convert
-from amp_fx.core.config import LEVELS, AmpConfig, make_config, parse_dtype
+from amp_fx.converter.api import convert
+from amp_fx.ir.config import LEVELS, AmpConfig, make_config, parse_dtype
 from amp_fx.runtime import LossScaler
 from amp_fx.errors import AmpTypeError, AmpValueError, did_you_mean
 

@@ -2,7 +2,7 @@
 
 Every graph Dynamo captures (one per piece of a graph-broken model, one per
 recompile) goes through the same analyses and passes as ``convert()``
-(:func:`amp_fx.core.pipeline.rewrite_graph`), then to an inner backend:
+(:func:`amp_fx.converter.pipeline.rewrite_graph`), then to an inner backend:
 ``"inductor"`` (default), ``"aot_eager"``, ``"eager"``, any registered name,
 or any callable backend.  Parameters reach a Dynamo graph as placeholders;
 they are recognised as weights from Dynamo's sources
@@ -36,12 +36,12 @@ from amp_fx.dynamo.bodies import convert_bodies, describe_region_nodes
 from amp_fx.dynamo.graph import placeholder_params, relative_module_stacks
 from amp_fx.dynamo import watch
 from amp_fx.dynamo.report import CompiledReport, last_published, publish
-from amp_fx.core.config import AmpConfig, make_config
-from amp_fx.core.devices import device_type_of
-from amp_fx.core.outer_autocast import call_without_outer_autocast, no_outer_autocast
-from amp_fx.core.pass_manager import PassContext
-from amp_fx.core.pipeline import rewrite_graph
-from amp_fx.core.policy import Policy
+from amp_fx.ir.config import AmpConfig, make_config
+from amp_fx.ir.devices import device_type_of
+from amp_fx.graph_ops.outer_autocast import call_without_outer_autocast, no_outer_autocast
+from amp_fx.ir.pass_manager import PassContext
+from amp_fx.converter.pipeline import rewrite_graph
+from amp_fx.ir.policy import Policy
 from amp_fx.errors import AmpTypeError, AmpValueError, unknown_options_error
 from amp_fx.frontend.tracing import user_frame
 

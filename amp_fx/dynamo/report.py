@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from amp_fx.core.report import ConversionReport, NodeRecord
+from amp_fx.converter.report import ConversionReport, NodeRecord
 
 __all__ = ["CompiledReport", "GraphReport", "DynamoBreak", "publish", "last_published"]
 

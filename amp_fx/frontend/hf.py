@@ -34,7 +34,7 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.nn as nn
 
-from amp_fx.core.devices import device_type_of
+from amp_fx.ir.devices import device_type_of
 
 __all__ = ["is_transformers_model", "attach_interface", "untraceable_hint"]
 

@@ -5,7 +5,7 @@ the module's hooks once, on proxies: an observing hook would never fire
 again, a hook that replaces an output would be baked into the graph, a full
 backward hook would never run, and removing a hook afterwards would change
 nothing.  Where a module has a hook when it is traced (or is named by a
-rebuild, :mod:`amp_fx.core.live_hooks`), :func:`trace_hooked_call` (called by
+rebuild, :mod:`amp_fx.converter.live_hooks`), :func:`trace_hooked_call` (called by
 ``AmpTracer.call_module``) runs no hook; it traces the module's ``forward``
 alone, or keeps the leaf's ``call_module`` node, between two boundaries::
 
@@ -22,13 +22,13 @@ which also checks what hooks return at run time).  Constants stay on the
 :class:`HookSite` (one per call of a hooked module), with the pytree
 structures of the inputs ``(args, kwargs)`` and of the output.  At run time
 the boundaries do what ``Module._call_impl`` does
-(:mod:`amp_fx.frontend.hook_dispatch`), reading the hooks live from the
+(:mod:`amp_fx.graph_ops.hook_dispatch`), reading the hooks live from the
 original model's module at that path (a weak reference taken at conversion)
 and, for a module the graph inlines, from the converted module's module at
 that path too (a leaf runs its own ``__call__``, which runs its own hooks).
 A hook registered on the converted module does not reach the original model
 (except inside a leaf: a leaf's submodules, which it calls itself, share the
-original's hook dicts, amp_fx/core/graph_module.py).  Not seen: hooks written
+original's hook dicts, amp_fx/converter/graph_module.py).  Not seen: hooks written
 into a module's hook dicts directly, without ``register_*_hook``.
 
 Precision is not touched: the three ops follow their inputs (reason "module
@@ -36,11 +36,11 @@ hook boundary"), are identities in the dtype analysis's fake runs and rules,
 and no cast moves across them.  A hook may hand on another floating dtype
 than traced (``out.float()``), which autocast takes: the analysis leaves the
 dtype of what leaves a boundary unknown (``opened_by_hooks`` in
-:mod:`amp_fx.core.dtype_rules`), so the readers' casts are guarded
+:mod:`amp_fx.ir.dtype_rules`), so the readers' casts are guarded
 (``amp_cast``).  Pre-hooks that compute a weight
 (``weight_norm``, ``spectral_norm``, pruning) are part of the module's
 computation: traced into the graph as before, never dispatched (a later change
-to them is refused: :mod:`amp_fx.core.weight_computations`).
+to them is refused: :mod:`amp_fx.converter.weight_computations`).
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ from torch.fx.node import _side_effectful_functions
 from torch.utils import _pytree as pytree
 
 from amp_fx.errors import UnsupportedConstructError
-from amp_fx.frontend import hook_dispatch
+from amp_fx.graph_ops import hook_dispatch
 from amp_fx.frontend.hook_structure import check_replacement, join, per_slot, slots_of
-from amp_fx.frontend.hook_dispatch import COMPUTATION_HOOKS, has_user_hooks, refuse_non_full_backward_hooks
+from amp_fx.graph_ops.hook_dispatch import COMPUTATION_HOOKS, has_user_hooks, refuse_non_full_backward_hooks
 
 __all__ = ["HookSite", "HookBoundary", "module_hook_value", "trace_hooked_call", "bind_sites", "sites_of",
            "is_boundary", "graph_modules", "forcing_boundaries", "forced_boundaries", "BOUNDARY_OPS", "VALUE_OP", "ORIGINALS_ATTR", "CALLED_ATTR"]

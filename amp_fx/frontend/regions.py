@@ -34,7 +34,7 @@ import torch.fx as fx
 from torch.fx.graph import _register_custom_builtin
 from torch.fx.proxy import Proxy
 
-from amp_fx.core import meta
+from amp_fx.ir import meta
 
 __all__ = [
     "grad_enter", "grad_exit", "inference_enter", "inference_exit", "autocast_enter", "autocast_exit",

@@ -18,10 +18,12 @@ _STDLIB_DIR = os.path.dirname(os.__file__)
 @functools.cache
 def _library_dirs() -> tuple[str, ...]:
     """torch's folder and amp_fx's own: the package and its passes (installed from ``passes/`` in a checkout)."""
-    import amp_fx
-    import amp_fx.passes
+    import importlib.util
 
-    return tuple(os.path.dirname(module.__file__) for module in (torch, amp_fx, amp_fx.passes))
+    # Located, not imported: the frontend sits below the passes (docs/design.md's layers).
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    passes = os.path.dirname(importlib.util.find_spec("amp_fx.passes").origin)
+    return (os.path.dirname(torch.__file__), package, passes)
 
 
 def is_library_file(filename: str) -> bool:

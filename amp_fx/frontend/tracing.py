@@ -22,8 +22,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from amp_fx.frontend import hook_dispatch, module_hooks, regions, regions_export
-from amp_fx.core.casts import HELPERS
+from amp_fx.frontend import module_hooks, regions, regions_export
+from amp_fx.graph_ops import hook_dispatch
+from amp_fx.graph_ops.casts import HELPERS
 from amp_fx.errors import AmpError, AmpTypeError, UnsupportedConstructError
 from amp_fx.frontend.export_guards import watched_export
 from amp_fx.frontend.source_lines import innermost_user_frame, is_library_file
@@ -148,7 +149,7 @@ class AmpTracer(fx.Tracer):
         if self._hook_originals is None:
             return super().call_module(m, forward, args, kwargs)
         path = self.path_of_module(m)
-        self._called_paths.add(path)  # a hook registered on it later makes a rebuild (amp_fx/core/live_hooks.py)
+        self._called_paths.add(path)  # a hook registered on it later makes a rebuild (amp_fx/converter/live_hooks.py)
         hooked = m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks
         if not hooked and path not in self._forced_boundaries:
             return super().call_module(m, forward, args, kwargs)
@@ -203,7 +204,7 @@ def _clean_path(path: str) -> str:
 
 def _symbolic_trace(model: nn.Module, tracer: AmpTracer, module_class: type) -> fx.GraphModule:
     graph = tracer.trace(model)
-    # where the converted module's clones find the original hooks (amp_fx/core/graph_module.py _own_modules)
+    # where the converted module's clones find the original hooks (amp_fx/converter/graph_module.py _own_modules)
     setattr(graph, module_hooks.ORIGINALS_ATTR, {path: weakref.ref(m) for path, m in (tracer._hook_originals or {}).items()})
     setattr(graph, module_hooks.CALLED_ATTR, frozenset(tracer._called_paths))
     return module_class(tracer.root, graph, type(model).__name__)

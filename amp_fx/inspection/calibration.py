@@ -39,13 +39,13 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.node import map_arg
 
-from amp_fx.core import tables
-from amp_fx.core.api import convert
-from amp_fx.core.graph_module import AmpGraphModule
+from amp_fx.ir import tables
+from amp_fx.converter.api import convert
+from amp_fx.converter.graph_module import AmpGraphModule
 from amp_fx.inspection.find_overflow import (
     LOW_DTYPES, TwinRun, pin_targets, float_tensors, max_abs, nonfinite_count, plain_containers, value_dtype,
 )
-from amp_fx.core.policy import Policy
+from amp_fx.ir.policy import Policy
 from amp_fx.passes.propagate_meta import eval_mode
 from amp_fx.errors import AmpValueError, unknown_options_error
 
@@ -242,7 +242,7 @@ def _as_batch(batch: Any) -> tuple:
 
 def _check_convert_keywords(convert_kwargs: dict) -> None:
     """Refuse a keyword neither calibrate nor convert takes, listing both (calibrate's own first)."""
-    from amp_fx.core.api import convert
+    from amp_fx.converter.api import convert
 
     own = [name for name in inspect.signature(calibrate).parameters if name not in ("model", "batches", "convert_kwargs")]
     taken = set(inspect.signature(convert).parameters) - {"model", "level"}

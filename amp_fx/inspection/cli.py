@@ -162,9 +162,10 @@ def check_writable(flag: str, path: str) -> None:
 
 # -- commands --------------------------------------------------------------------------
 def _inspect(args: argparse.Namespace) -> int:
-    import amp_fx
+    from amp_fx.converter.api import convert
     from amp_fx.errors import AmpError
     from amp_fx.frontend.tracing import AmpTraceError
+    from amp_fx.inspection import views
 
     if args.out and os.path.splitext(args.out)[1].lower() not in _DRAW_EXTENSIONS:
         raise CliError(f"--out {args.out!r}: amp_fx draws .svg, .html or .dot files (a .png needs Graphviz: "
@@ -180,11 +181,11 @@ def _inspect(args: argparse.Namespace) -> int:
         except json.JSONDecodeError as error:
             raise CliError(f"--policy is not JSON ({error}); e.g. --policy '{{\"module:head\": \"fp32\"}}'") from error
     try:
-        converted = amp_fx.convert(model, args.level, dtype=args.dtype, example_inputs=inputs, policy=policy)
+        converted = convert(model, args.level, dtype=args.dtype, example_inputs=inputs, policy=policy)
     except (AmpError, AmpTraceError, ValueError, TypeError) as error:
         print(f"amp_fx inspect: conversion failed: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
-    summary = amp_fx.summary(converted, inputs)
+    summary = views.summary(converted, inputs)
     print(summary)
     print()
     print(converted.amp_report)
@@ -193,14 +194,14 @@ def _inspect(args: argparse.Namespace) -> int:
             json.dump({"summary": summary.to_dict(), "report": converted.amp_report.to_dict()}, handle, indent=1, default=str)
         print(f"\nwrote {args.json}")
     if args.out:
-        amp_fx.draw(converted, args.out, summary=summary, title=f"{args.factory}: amp_fx {args.level} {converted.amp_report.dtype}")
+        views.draw(converted, args.out, summary=summary, title=f"{args.factory}: amp_fx {args.level} {converted.amp_report.dtype}")
         print(f"\nwrote {args.out}")
     return 0
 
 
 def _tables(args: argparse.Namespace) -> int:
-    from amp_fx.core import tables
-    from amp_fx.core.op_keys import op_name_of
+    from amp_fx.ir import tables
+    from amp_fx.ir.op_keys import op_name_of
 
     everything = tables.all_tables()
     if args.op:

@@ -22,8 +22,8 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from amp_fx.core.cast_costs import cast_bytes
-from amp_fx.core.meta import float_dtype
+from amp_fx.ir.cast_costs import cast_bytes
+from amp_fx.ir.meta import float_dtype
 from amp_fx.errors import AmpRuntimeError, AmpTypeError, AmpValueError
 
 __all__ = ["draw", "dot_source", "builtin_svg", "category", "COLOURS"]

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
-from amp_fx.core.cast_nodes import cast_target, is_inserted_cast
-from amp_fx.core.outer_autocast import no_outer_autocast
+from amp_fx.ir.cast_nodes import cast_target, is_inserted_cast
+from amp_fx.graph_ops.outer_autocast import no_outer_autocast
 from amp_fx.errors import AmpTypeError, AmpValueError, checks_keywords
 
 __all__ = ["find_overflow", "diagnose_collapse", "OverflowReport", "ReproStep", "TwinRun", "pin_override", "pin_targets", "plain_containers", "LOW_DTYPES"]

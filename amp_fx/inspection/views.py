@@ -15,10 +15,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from amp_fx.core.cast_nodes import cast_target, is_inserted_cast
+from amp_fx.ir.cast_nodes import cast_target, is_inserted_cast
 from amp_fx.inspection.draw import draw
-from amp_fx.core.cast_costs import cast_bytes
-from amp_fx.core.meta import float_dtype
+from amp_fx.ir.cast_costs import cast_bytes
+from amp_fx.ir.meta import float_dtype
 from amp_fx.inspection.summary import Summary, summary
 from amp_fx.errors import AmpTypeError
 

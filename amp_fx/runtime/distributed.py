@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from amp_fx.core.graph_module import attach_masters
+from amp_fx.converter.graph_module import attach_masters
 from amp_fx.errors import AmpRuntimeError, AmpTypeError, AmpValueError
 
 from . import process_group_release  # noqa: F401  (before any init_process_group: see that module)
@@ -210,7 +210,7 @@ def _shell(model: nn.Module, names: list[str]) -> nn.Module:
 
 def _calls_blocks(root: nn.Module, names: list[str]) -> bool:
     """Whether the root's graph calls every block (as a module, or through call_with_params at O2/O3)."""
-    from amp_fx.core.casts import call_with_params
+    from amp_fx.graph_ops.casts import call_with_params
 
     if not isinstance(root, fx.GraphModule):
         return False
@@ -230,7 +230,7 @@ def _call_blocks_as_modules(gm: fx.GraphModule, names: list[str]) -> None:
     through ``call_with_params``; the converted block that replaces it owns its
     parameters, and FSDP2 must see a plain ``block(...)`` call.
     """
-    from amp_fx.core.casts import call_with_params
+    from amp_fx.graph_ops.casts import call_with_params
 
     holders = {n for n in gm.graph.nodes if n.op == "get_attr" and n.target in names}
     for node in list(gm.graph.nodes):
@@ -329,7 +329,7 @@ def convert_for_sharding(
     fp32 norm parameters beside bf16 ones is refused: pass
     ``keep_batchnorm_fp32=False`` (the norms' fp32 masters still take the updates).
     """
-    from amp_fx.core.api import convert
+    from amp_fx.converter.api import convert
 
     names = _block_names(model, blocks)
     examples = {}

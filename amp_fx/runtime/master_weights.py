@@ -48,9 +48,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from amp_fx.core.config import AmpConfig
-from amp_fx.core.graph_module import MASTER_ATTR
-from amp_fx.core.master_sync import record, writers
+from amp_fx.ir.config import AmpConfig
+from amp_fx.converter.graph_module import MASTER_ATTR
+from amp_fx.graph_ops.master_sync import record, writers
 from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer, check_inner_optimizer
 
 from .distributed import is_dtensor, local_tensor, refuse_replaced_params, shard_like

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from amp_fx.core.config import AmpConfig
+from amp_fx.ir.config import AmpConfig
 from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer
 
 from .low_precision_update import COMPENSATION_DTYPE, merge_compensated, split_compensated, stochastic_round

@@ -1,6 +1,6 @@
 """Warn about optimizer settings that break on low-precision parameters (once per optimizer).
 
-Also registers amp_fx's optimizer wrappers with :mod:`amp_fx.core.step_guard`,
+Also registers amp_fx's optimizer wrappers with :mod:`amp_fx.converter.step_guard`,
 which refuses a plain optimizer's step over O2's low parameters: the wrappers
 (and the optimizers they wrap) step masters or compensated updates themselves.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from amp_fx.core.step_guard import register_wrapper_type
+from amp_fx.converter.step_guard import register_wrapper_type
 
 from .wrapped_optimizer import WrappedOptimizer
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from amp_fx.core.config import parse_dtype
+from amp_fx.ir.config import parse_dtype
 from amp_fx.errors import AmpValueError
 
 __all__ = ["Default", "parse_scaler_dtype", "NO_SCALING_DTYPES", "PROMOTED_TO_FP32", "NO_GRADS_FIX"]

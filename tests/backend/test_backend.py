@@ -11,7 +11,7 @@ import amp_fx
 import zoo
 from probes import Capture, aot_capture
 from amp_fx.dynamo.graph import source_fqn, target_fqn
-from amp_fx.core.cast_nodes import is_inserted_cast
+from amp_fx.ir.cast_nodes import is_inserted_cast
 
 
 

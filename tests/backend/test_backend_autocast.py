@@ -10,12 +10,12 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import amp_fx
-from amp_fx.core.config import make_config
-from amp_fx.core.pass_manager import PassContext
+from amp_fx.ir.config import make_config
+from amp_fx.ir.pass_manager import PassContext
 from amp_fx.passes.assign_precision import assign_precision
 from amp_fx.passes.honour_autocast_regions import honour_autocast_regions, is_autocast_enter, is_autocast_exit
 from amp_fx.passes.propagate_meta import propagate_meta
-from amp_fx.core.policy import Policy
+from amp_fx.ir.policy import Policy
 
 
 class Regions(nn.Module):

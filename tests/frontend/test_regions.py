@@ -217,12 +217,12 @@ class Mixed(nn.Module):
 
 def test_the_region_pass_is_idempotent_and_reports_honestly():
     """A second run of honour_autocast_regions changes nothing; the first one says what it did."""
-    from amp_fx.core.config import make_config
-    from amp_fx.core.pass_manager import PassContext
+    from amp_fx.ir.config import make_config
+    from amp_fx.ir.pass_manager import PassContext
     from amp_fx.passes.assign_precision import assign_precision
     from amp_fx.passes.honour_autocast_regions import honour_autocast_regions
     from amp_fx.passes.propagate_meta import propagate_meta
-    from amp_fx.core.policy import Policy
+    from amp_fx.ir.policy import Policy
     from amp_fx.frontend.tracing import trace_model
 
     gm, _ = trace_model(Mixed())

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_fx
-from amp_fx.core.graph_module import FrozenTrainingWarning
+from amp_fx.converter.graph_module import FrozenTrainingWarning
 from routes import convert, eager_autocast
 
 D = 8

@@ -31,12 +31,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import amp_fx
-from amp_fx.core import tables
-from amp_fx.core.cast_nodes import cast_source, cast_target, is_inserted_cast
+from amp_fx.ir import tables
+from amp_fx.ir.cast_nodes import cast_source, cast_target, is_inserted_cast
 from amp_fx.errors import UnsupportedConstructError
-from amp_fx.core.op_keys import CAST_OPS
-from amp_fx.core.pass_manager import PassContext
-from amp_fx.core.pipeline import rewrite_graph
+from amp_fx.ir.op_keys import CAST_OPS
+from amp_fx.ir.pass_manager import PassContext
+from amp_fx.converter.pipeline import rewrite_graph
 
 __all__ = ["LEVELS", "LOW_DTYPES", "DispatchProbe", "Reference", "reference_run", "check_conversion", "check_model", "tolerance"]
 

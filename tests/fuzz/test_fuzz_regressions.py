@@ -14,10 +14,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 import amp_fx
-from amp_fx.core.cast_nodes import cast_source, is_inserted_cast
+from amp_fx.ir.cast_nodes import cast_source, is_inserted_cast
 from amp_fx.errors import UnsupportedConstructError
-from amp_fx.core.pass_manager import PassContext
-from amp_fx.core.pipeline import rewrite_graph
+from amp_fx.ir.pass_manager import PassContext
+from amp_fx.converter.pipeline import rewrite_graph
 from fuzz.invariants import DispatchProbe, check_model
 from fuzz.strategies import Program, Step, build_model, make_inputs
 
@@ -174,7 +174,7 @@ def test_runtime_promotes_are_not_added_again():
     gm = amp_fx.convert(build_model(program), "O1")
     again, report = _rerun(gm)
     assert again.code == gm.code and not report.passes["insert_casts"]["modified"]
-    promotes = [n for n in gm.graph.nodes if n.target is amp_fx.core.casts.amp_promote]
+    promotes = [n for n in gm.graph.nodes if n.target is amp_fx.graph_ops.casts.amp_promote]
     assert len(promotes) == 2  # cat's slices and the first addcmul; not addcmul(v3, v3, v3)
 
 
@@ -224,7 +224,7 @@ def test_a_runtime_cast_meeting_float64_leaves_it_alone():
     counted that as a cast)."""
     program = Program(("x",), (Step("double", (0,)), Step("add", (0, 1)), Step("log_softmax", (2,))), (3,))
     gm = amp_fx.convert(build_model(program), "O1")
-    assert any(n.target is amp_fx.core.casts.amp_cast for n in gm.graph.nodes)
+    assert any(n.target is amp_fx.graph_ops.casts.amp_cast for n in gm.graph.nodes)
     assert gm(*make_inputs(program)).dtype == torch.float64
     check_model(lambda: build_model(program), lambda: make_inputs(program))
 

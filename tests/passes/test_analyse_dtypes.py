@@ -19,7 +19,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import amp_fx
 import zoo
-from amp_fx.core import meta
+from amp_fx.ir import meta
 from random_cast_graphs import random_graph
 
 LOW = (torch.float16, torch.bfloat16)

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from amp_fx.core import meta, tables
+from amp_fx.ir import meta, tables
 from amp_fx.errors import BannedOpError, UnknownOpError
 from amp_fx.passes.assign_precision import assign_precision
 from pass_check import check, prepare

@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from amp_fx.core.cast_cache import cached_cast, clear_cast_cache
-from amp_fx.core.cast_nodes import cast_source, is_inserted_cast
+from amp_fx.graph_ops.cast_cache import cached_cast, clear_cast_cache
+from amp_fx.ir.cast_nodes import cast_source, is_inserted_cast
 from amp_fx.passes.cache_weight_casts import cache_weight_casts
 from pass_check import check, prepare
 from probes import CAST_OPS, OpRecorder

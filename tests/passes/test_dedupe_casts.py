@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from amp_fx.core.cast_nodes import cast_source, is_inserted_cast
+from amp_fx.ir.cast_nodes import cast_source, is_inserted_cast
 from amp_fx.passes.dedupe_casts import dedupe_casts
 from pass_check import check
 

@@ -16,7 +16,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 import amp_fx
-from amp_fx.core import meta
+from amp_fx.ir import meta
 
 SPELLINGS = ["to_dtype", "weight_dtype", "type_as", "to_tensor"]
 # bf16 has 8 significand bits: one rounding moves a value by at most U of its magnitude.

@@ -3,7 +3,7 @@
 import torch
 import torch.nn as nn
 
-from amp_fx.core.cast_nodes import cast_source, is_inserted_cast
+from amp_fx.ir.cast_nodes import cast_source, is_inserted_cast
 from amp_fx.passes.fold_casts import fold_casts
 from pass_check import check
 

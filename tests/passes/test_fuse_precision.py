@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
-from amp_fx.core.fused_norms import layer_norm_fp32_stats
+from amp_fx.graph_ops.fused_norms import layer_norm_fp32_stats
 from amp_fx.passes.fuse_precision import fuse_precision
 from amp_fx.passes.insert_casts import insert_casts
 from tests.pass_check import check
@@ -307,7 +307,7 @@ def test_affine_layer_norm_saves_casts():
 
 def test_affine_layer_norm_under_torch_compile_and_pickled():
     """torch.compile(backend="aot_eager") traces the custom Function; the module pickles (the code imports
-    layer_norm_fp32_stats from amp_fx.core.fused_norms) and computes the same, gradients included."""
+    layer_norm_fp32_stats from amp_fx.graph_ops.fused_norms) and computes the same, gradients included."""
     fused, _, x = _ln_pair(True, torch.bfloat16)
     want_out, want_gx, want_gp = _run(fused, x)
     buffer = io.BytesIO()
@@ -315,7 +315,7 @@ def test_affine_layer_norm_under_torch_compile_and_pickled():
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     assert any(n.target is layer_norm_fp32_stats for n in loaded.graph.nodes)
-    assert b"from amp_fx.core.fused_norms import layer_norm_fp32_stats" in pickle.dumps(fused)  # the code's import
+    assert b"from amp_fx.graph_ops.fused_norms import layer_norm_fp32_stats" in pickle.dumps(fused)  # the code's import
     for module in (torch.compile(fused, backend="aot_eager"), loaded, pickle.loads(pickle.dumps(fused))):
         out, gx, gp = _run(module, x)
         assert torch.equal(out, want_out) and torch.equal(gx, want_gx)

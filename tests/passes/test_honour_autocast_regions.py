@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from amp_fx.core import meta
+from amp_fx.ir import meta
 from amp_fx.frontend.regions import marker_role
 from amp_fx.passes.honour_autocast_regions import honour_autocast_regions
 from pass_check import assert_matches, check, prepare, run_rest

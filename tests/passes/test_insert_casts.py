@@ -5,8 +5,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zoo
-from amp_fx.core.cast_nodes import cast_source, is_inserted_cast
-from amp_fx.core.casts import amp_cast
+from amp_fx.ir.cast_nodes import cast_source, is_inserted_cast
+from amp_fx.graph_ops.casts import amp_cast
 from amp_fx.passes.insert_casts import insert_casts
 from pass_check import check
 

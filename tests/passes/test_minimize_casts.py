@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 import amp_fx
 import zoo
-from amp_fx.core.config import make_config
-from amp_fx.core.pass_manager import PassContext, run_passes
-from amp_fx.core.pipeline import build_pipeline, rewrite_graph
+from amp_fx.ir.config import make_config
+from amp_fx.ir.pass_manager import PassContext, run_passes
+from amp_fx.converter.pipeline import build_pipeline, rewrite_graph
 from amp_fx.passes.assign_precision import assign_precision
 from amp_fx.passes.dedupe_casts import dedupe_casts
 from amp_fx.passes.fold_casts import fold_casts

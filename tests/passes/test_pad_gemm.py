@@ -25,9 +25,9 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
-from amp_fx.core.config import make_config
-from amp_fx.core.pass_manager import PassContext
-from amp_fx.core.pipeline import build_pipeline
+from amp_fx.ir.config import make_config
+from amp_fx.ir.pass_manager import PassContext
+from amp_fx.converter.pipeline import build_pipeline
 from amp_fx.passes.pad_gemm import MIN_WORK, find_gemm, pad_gemm, should_pad
 
 ALIGN = 8

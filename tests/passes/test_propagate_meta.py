@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from amp_fx.core import meta
+from amp_fx.ir import meta
 from amp_fx.passes.propagate_meta import propagate_meta
 from pass_check import check
 

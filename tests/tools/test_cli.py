@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from amp_fx.core import tables
+from amp_fx.ir import tables
 from amp_fx.inspection.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -6,8 +6,8 @@ import torch
 
 import amp_fx
 import zoo
-from amp_fx.core.config import make_config
-from amp_fx.core.pipeline import build_pipeline
+from amp_fx.ir.config import make_config
+from amp_fx.converter.pipeline import build_pipeline
 
 
 def _pass_names(level):

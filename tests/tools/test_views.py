@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import amp_fx
-from amp_fx.core import tables
+from amp_fx.ir import tables
 from amp_fx.inspection.draw import COLOURS, dot_source
 
 SVG = "{http://www.w3.org/2000/svg}"

@@ -131,4 +131,4 @@ def cast_cache_size() -> int:
 
 
 # Generated code names the helper with an import line (GraphModule.to_folder, pickling).
-_register_custom_builtin(cached_cast.__name__, f"from amp_fx.core.cast_cache import {cached_cast.__name__}", cached_cast)
+_register_custom_builtin(cached_cast.__name__, f"from amp_fx.graph_ops.cast_cache import {cached_cast.__name__}", cached_cast)

@@ -6,7 +6,7 @@ model); at O2 and O3 it owns low-precision copies, and the model's own fp32
 parameters become the master weights (``converted.amp_fx_masters``).  Its
 buffers are the model's own tensors wherever they keep their dtype, and the
 low copies of the others are written back after a forward that changes them
-(:mod:`amp_fx.core.buffer_state`), so the model is trained too.
+(:mod:`amp_fx.converter.buffer_state`), so the model is trained too.
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from amp_fx.core import tables
-from amp_fx.core.buffer_state import attach_buffer_sources, copy_sharing_buffers
-from amp_fx.core.config import AmpConfig, make_config
-from amp_fx.core.devices import device_type_of
+from amp_fx.ir import tables
+from amp_fx.converter.buffer_state import attach_buffer_sources, copy_sharing_buffers
+from amp_fx.ir.config import AmpConfig, make_config
+from amp_fx.ir.devices import device_type_of
 from amp_fx.errors import AlreadyConvertedError, AmpTypeError, AmpValueError, checks_keywords, did_you_mean
-from amp_fx.core.graph_module import ROUTE_ATTR, AmpGraphModule, attach_masters, switching_modes
-from amp_fx.core.op_keys import CAST_OPS, canonical_op
-from amp_fx.core.live_hooks import RECIPE_ATTR, ConversionRecipe
-from amp_fx.core.pass_manager import PassContext
-from amp_fx.core.pipeline import rewrite_graph
-from amp_fx.core.policy import Policy
+from amp_fx.converter.graph_module import ROUTE_ATTR, AmpGraphModule, attach_masters, switching_modes
+from amp_fx.ir.op_keys import CAST_OPS, canonical_op
+from amp_fx.converter.live_hooks import RECIPE_ATTR, ConversionRecipe
+from amp_fx.ir.pass_manager import PassContext
+from amp_fx.converter.pipeline import rewrite_graph
+from amp_fx.ir.policy import Policy
 from amp_fx.frontend.module_hooks import CALLED_ATTR
 from amp_fx.frontend.tracing import _TRACE_LOCK, trace_model
 
@@ -197,7 +197,7 @@ def convert(
             (``p.data.mul_(0.5)``) bumps no version counter and is not
             detected (only reading the whole weight could tell), so the old
             cast is served; after one call ``gm.clear_cast_cache()``, or write
-            under ``torch.no_grad()`` without ``.data`` (:mod:`amp_fx.core.cast_cache`).
+            under ``torch.no_grad()`` without ``.data`` (:mod:`amp_fx.graph_ops.cast_cache`).
         leaf_modules: module types or names to keep whole (not traced into).
         on_unknown_op: ``"follow"`` (default), ``"fp32"`` or ``"error"`` for
             ops in no table.
@@ -220,7 +220,7 @@ def convert(
     live: removing one from the model removes its effect.  A hook registered
     on ``result.get_submodule(path)`` fires too and does not reach the model;
     one registered after conversion on a module the graph inlines makes the
-    first call after it rebuild the graph (:mod:`amp_fx.core.live_hooks`).
+    first call after it rebuild the graph (:mod:`amp_fx.converter.live_hooks`).
     Global module hooks, deprecated ``register_backward_hook`` hooks and hooks
     on the torch.export route are refused, naming the route that works.
     """
@@ -241,7 +241,7 @@ def convert(
     _check_leaf_names(leaf_modules, module_names)
 
     owns_params = config.cast_params
-    # O2/O3 cast the copy's parameters; its buffers stay the model's tensors (amp_fx/core/buffer_state.py)
+    # O2/O3 cast the copy's parameters; its buffers stay the model's tensors (amp_fx/converter/buffer_state.py)
     source = copy_sharing_buffers(model) if owns_params else model
     gm, route = trace_model(
         source, leaf_modules=leaf_modules,
@@ -274,7 +274,7 @@ def convert(
     result.amp_fx_input_dtypes = {key: value.dtype for key, value in examples.items()
                                   if isinstance(value, torch.Tensor) and value.is_floating_point()}
     result.amp_fx_source_dtypes = dict(ctx.source_dtypes)
-    # hooks registered later on a module forward calls rebuild the graph (amp_fx/core/live_hooks.py)
+    # hooks registered later on a module forward calls rebuild the graph (amp_fx/converter/live_hooks.py)
     setattr(result, RECIPE_ATTR, ConversionRecipe(model, recipe_options, getattr(result.graph, CALLED_ATTR, frozenset())))
     if config.master_weights and owns_params:
         attach_masters(result, dict(model.named_parameters(remove_duplicate=False)))

@@ -83,4 +83,4 @@ HELPERS = (amp_cast, amp_promote, call_with_params)
 # Generated code names the helpers as builtins with an import line, so that
 # GraphModule.to_folder writes a module that imports them.
 for _helper in HELPERS:
-    _register_custom_builtin(_helper.__name__, f"from amp_fx.core.casts import {_helper.__name__}", _helper)
+    _register_custom_builtin(_helper.__name__, f"from amp_fx.graph_ops.casts import {_helper.__name__}", _helper)

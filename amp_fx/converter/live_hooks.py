@@ -24,7 +24,7 @@ same path -- would never fire.  ``AmpGraphModule.__call__`` asks
   the ways out.
 
 The original model's own (root) hooks run around the converted module's
-call (:func:`amp_fx.frontend.hook_dispatch.call_with_hooks`); the converted
+call (:func:`amp_fx.graph_ops.hook_dispatch.call_with_hooks`); the converted
 module's own hooks run as any module's do, inside them.
 """
 
@@ -38,8 +38,8 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from amp_fx.errors import AmpRuntimeError
-from amp_fx.frontend import hook_dispatch
-from amp_fx.core import weight_computations
+from amp_fx.graph_ops import hook_dispatch
+from amp_fx.converter import weight_computations
 from amp_fx.frontend.tracing import FX_FAILED_IN_ATTR, export_hook_advice
 from amp_fx.frontend.module_hooks import bind_sites, forcing_boundaries, graph_modules, sites_of
 
@@ -93,7 +93,7 @@ class HookState:
         leaves = {str(n.target) for g in graph_modules(gm) for n in g.graph.nodes if n.op == "call_module"}
         originals = dict(model.named_modules()) if model is not None else {}
         converted = dict(gm.named_modules())
-        # weight computations traced in (amp_fx/core/weight_computations.py): checked at every call
+        # weight computations traced in (amp_fx/converter/weight_computations.py): checked at every call
         self.computing = recipe.computing if model is not None else []
         self.computations = recipe.computations if model is not None else {}
         self.model_modules = list(originals.items())
@@ -205,8 +205,8 @@ def _rebuild(gm: fx.GraphModule, state: HookState, found: list) -> None:
                        failed_in=gm.__dict__.get(FX_FAILED_IN_ATTR))
     if recipe is None or recipe.model is None:
         raise _refusal(found, "the model it was converted from is not known to it (an unpickled converted module)")
-    from amp_fx.core.api import convert
-    from amp_fx.core.outer_autocast import call_without_outer_autocast
+    from amp_fx.converter.api import convert
+    from amp_fx.graph_ops.outer_autocast import call_without_outer_autocast
 
     paths = frozenset(path for path, *_ in found) | frozenset(site.path for site in sites_of(gm))
     # as convert() would run at top level: not under the caller's no_grad, inference_mode or autocast

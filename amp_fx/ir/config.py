@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from amp_fx.core.devices import device_type_of, low_dtype_for
+from amp_fx.ir.devices import device_type_of, low_dtype_for
 from amp_fx.errors import AmpTypeError, AmpValueError, unknown_options_error
 
 __all__ = ["AmpConfig", "LEVELS", "make_config", "parse_dtype"]
@@ -95,7 +95,7 @@ class AmpConfig:
         return self if self.dtype is not None else dataclasses.replace(self, dtype=low_dtype_for(device_type))
 
     def with_dtype_for(self, module: Optional[torch.nn.Module]) -> "AmpConfig":
-        """Return a copy with ``dtype`` resolved from ``module``'s device type (:func:`amp_fx.core.devices.device_type_of`)."""
+        """Return a copy with ``dtype`` resolved from ``module``'s device type (:func:`amp_fx.ir.devices.device_type_of`)."""
         return self.for_device(device_type_of(module))
 
     def to_dict(self) -> dict[str, Any]:

@@ -19,10 +19,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from amp_fx.core.config import AmpConfig
-from amp_fx.core.devices import device_type_of
+from amp_fx.ir.config import AmpConfig
+from amp_fx.ir.devices import device_type_of
 from amp_fx.errors import AmpError
-from amp_fx.core.policy import Policy
+from amp_fx.ir.policy import Policy
 
 __all__ = ["PassContext", "PassResult", "PassError", "run_passes", "AmpPass"]
 
@@ -39,7 +39,7 @@ class PassContext:
     example_kwarg_inputs: Optional[dict] = None
     route: str = "symbolic_trace"
     # The device type of the graph's floating tensors ("cpu", "cuda", ...), decided once by
-    # amp_fx.core.devices.device_type_of: convert() and the backend fill it; passes read it through device_for().
+    # amp_fx.ir.devices.device_type_of: convert() and the backend fill it; passes read it through device_for().
     device_type: Optional[str] = None
     # The module parameters of a Dynamo graph arrive as placeholders; the
     # backend fills this with placeholder name -> parameter FQN (the weight's name in reports).
@@ -52,7 +52,7 @@ class PassContext:
     analysis_cache: dict = field(default_factory=dict)
     # The one FakeTensorMode of this conversion's analyses (cached fake values must not mix modes).
     fake_mode: Any = None
-    # The dtype analysis stored on the nodes last (amp_fx.core.analysis.Analysis).
+    # The dtype analysis stored on the nodes last (amp_fx.ir.analysis.Analysis).
     analysis: Any = None
 
     def device_for(self, gm: Optional[fx.GraphModule]) -> str:

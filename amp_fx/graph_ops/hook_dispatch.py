@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import BackwardHook
 
-from amp_fx.core.master_sync import sync_parameters_of
+from amp_fx.graph_ops.master_sync import sync_parameters_of
 from amp_fx.errors import AmpRuntimeError, UnsupportedConstructError
 
 __all__ = ["Frame", "enter", "leave", "unwind", "open_depth", "call_with_hooks", "user_hooks", "has_user_hooks",
@@ -169,7 +169,7 @@ def enter(modules: list[nn.Module], path: str, args: tuple, kwargs: dict) -> tup
             if result is not None:
                 args = frame.args = result if isinstance(result, tuple) else (result,)
                 changed = True
-    sync_parameters_of(modules)  # O2: a pre-hook that wrote a master in place (amp_fx/core/master_sync.py)
+    sync_parameters_of(modules)  # O2: a pre-hook that wrote a master in place (amp_fx/graph_ops/master_sync.py)
     if backward or backward_pre:
         frame.bw_hook = BackwardHook(modules[0], [_Bound(h, o) for _, h, o in backward],
                                      [_Bound(h, o) for _, h, o in backward_pre])

@@ -63,7 +63,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from amp_fx.core.master_sync import low_with_grad
+from amp_fx.graph_ops.master_sync import low_with_grad
 from amp_fx.errors import AmpRuntimeError
 
 __all__ = ["guard_low_parameters", "register_wrapper_type"]

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Optional
 import torch.nn as nn
 
 from amp_fx.errors import AmpRuntimeError
-from amp_fx.frontend.hook_dispatch import COMPUTATION_HOOKS
+from amp_fx.graph_ops.hook_dispatch import COMPUTATION_HOOKS
 
 __all__ = ["Signature", "signature", "signatures", "changed", "refuse_changed", "stale_computation"]
 

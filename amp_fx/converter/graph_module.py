@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import contextvars
 import copy
 import functools
 import warnings
@@ -35,14 +34,15 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from amp_fx.core.buffer_state import SOURCES_ATTR, load_buffer_sources, source_value
-from amp_fx.core.live_hooks import RECIPE_ATTR, STATE_ATTR, check_hooks
-from amp_fx.core.master_sync import sync_masters, track_masters
-from amp_fx.core.outer_autocast import call_without_outer_autocast
-from amp_fx.frontend.hook_dispatch import COMPUTATION_HOOKS
+from amp_fx.converter.buffer_state import SOURCES_ATTR, load_buffer_sources, source_value
+from amp_fx.converter.live_hooks import RECIPE_ATTR, STATE_ATTR, check_hooks
+from amp_fx.graph_ops.master_sync import sync_masters, track_masters
+from amp_fx.graph_ops.outer_autocast import call_without_outer_autocast
+from amp_fx.graph_ops.hook_dispatch import COMPUTATION_HOOKS
 from amp_fx.frontend.module_hooks import ORIGINALS_ATTR, bind_sites
-from amp_fx.core.step_guard import guard_low_parameters
+from amp_fx.converter.step_guard import guard_low_parameters
 from amp_fx.frontend.train_flags import FROZEN_ATTR
+from amp_fx.graph_ops.mode_switch import amp_fx_is_switching, switching_modes
 from amp_fx.errors import AmpTypeError, AmpValueError
 
 __all__ = ["AmpGraphModule", "AMP_ATTRIBUTES", "FrozenTrainingWarning", "switching_modes"]
@@ -184,7 +184,7 @@ def _restore_source_dtypes(module: torch.nn.Module, state_dict: dict, prefix: st
     checkpoint keeps the masters' full precision, under every name of a tied
     weight.  A low copy trained some other way no longer matches its master
     and is saved widened.  A buffer's low copy gives the model's own tensor
-    the same way (:func:`amp_fx.core.buffer_state.source_value`).
+    the same way (:func:`amp_fx.converter.buffer_state.source_value`).
     """
     sync_masters(module)  # a master written in place since: its low copy first (core/master_sync.py)
     masters = module.__dict__.get("amp_fx_masters") or {}
@@ -213,21 +213,6 @@ def _rebuild(reduce_fn: Any, reduce_args: tuple, class_name: str) -> "AmpGraphMo
         if name in reduce_args[0]:
             setattr(rebuilt, name, reduce_args[0][name])
     return rebuilt
-
-
-# Set while amp_fx itself switches a module's train/eval mode (an analysis running briefly in eval,
-# convert() restoring the traced mode): those switches are not the user's and do not warn.
-_AMP_FX_SWITCHING: contextvars.ContextVar[bool] = contextvars.ContextVar("amp_fx_switching_modes", default=False)
-
-
-@contextlib.contextmanager
-def switching_modes() -> Iterator[None]:
-    """Mark the ``.train()`` / ``.eval()`` calls inside the block as amp_fx's own: no FrozenTrainingWarning."""
-    token = _AMP_FX_SWITCHING.set(True)
-    try:
-        yield
-    finally:
-        _AMP_FX_SWITCHING.reset(token)
 
 
 def _check_input_dtypes(expected: dict, args: tuple, kwargs: dict) -> None:
@@ -314,7 +299,7 @@ class AmpGraphModule(fx.GraphModule):
         """Set train/eval mode on this module and its own submodules; warn once if the graph was specialised."""
         result = super().train(mode)
         frozen = self.__dict__.get(FROZEN_ATTR)
-        if frozen and not self.__dict__.get("_amp_fx_warned_frozen") and not _AMP_FX_SWITCHING.get():
+        if frozen and not self.__dict__.get("_amp_fx_warned_frozen") and not amp_fx_is_switching():
             changed = [(path, value, where) for path, (value, where) in frozen.items() if self._flag_at(path) != value]
             if changed:
                 self._amp_fx_warned_frozen = True
@@ -363,8 +348,8 @@ class AmpGraphModule(fx.GraphModule):
 
         Call it after writing a weight through ``p.data`` (``p.data.mul_(0.5)``):
         such a write bumps no version counter, so the cache would serve the old
-        cast (:mod:`amp_fx.core.cast_cache`).
+        cast (:mod:`amp_fx.graph_ops.cast_cache`).
         """
-        from amp_fx.core.cast_cache import clear_cast_cache
+        from amp_fx.graph_ops.cast_cache import clear_cast_cache
 
         clear_cast_cache(self)

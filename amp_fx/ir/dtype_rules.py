@@ -14,10 +14,10 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.fx as fx
 
-from amp_fx.core import meta, tables
-from amp_fx.core.casts import amp_cast, amp_promote
-from amp_fx.core.meta import ValueInfo, may_be_float_tensor
-from amp_fx.core.op_keys import CAST_OPS
+from amp_fx.ir import meta, tables
+from amp_fx.graph_ops.casts import amp_cast, amp_promote
+from amp_fx.ir.meta import ValueInfo, may_be_float_tensor
+from amp_fx.ir.op_keys import CAST_OPS
 
 __all__ = ["rule_value", "widest", "explicit_dtype", "opened_by_hooks"]
 

@@ -22,7 +22,7 @@ import torch
 from torch.fx import Proxy
 from torch.fx.graph import _register_custom_builtin
 
-from amp_fx.core.casts import _record
+from amp_fx.graph_ops.casts import _record
 
 __all__ = ["layer_norm_fp32_stats", "LayerNormFp32Stats"]
 
@@ -80,5 +80,5 @@ def layer_norm_fp32_stats(input: torch.Tensor, normalized_shape: Sequence[int], 
 
 
 # Generated code (print, to_folder, pickles) names it as a builtin imported from this module.
-_register_custom_builtin(layer_norm_fp32_stats.__name__, f"from amp_fx.core.fused_norms import {layer_norm_fp32_stats.__name__}",
+_register_custom_builtin(layer_norm_fp32_stats.__name__, f"from amp_fx.graph_ops.fused_norms import {layer_norm_fp32_stats.__name__}",
                          layer_norm_fp32_stats)

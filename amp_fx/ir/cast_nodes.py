@@ -7,10 +7,10 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from amp_fx.core import meta
-from amp_fx.core.analysis import alias_root, arrives_as
-from amp_fx.core.cast_cache import cached_cast
-from amp_fx.core.casts import amp_cast
+from amp_fx.ir import meta
+from amp_fx.ir.analysis import alias_root, arrives_as
+from amp_fx.graph_ops.cast_cache import cached_cast
+from amp_fx.graph_ops.casts import amp_cast
 
 __all__ = ["is_inserted_cast", "is_model_cast", "cast_source", "cast_target", "written_cast_dtype", "CastBuilder"]
 
@@ -80,7 +80,7 @@ class CastBuilder:
     """Creates and remembers casts so that each (value, dtype) is cast once (per in-place write).
 
     Where the analysis knows the value is a floating tensor the cast is a plain
-    ``x.to(dtype)``; where it does not, it is :func:`amp_fx.core.casts.amp_cast`,
+    ``x.to(dtype)``; where it does not, it is :func:`amp_fx.graph_ops.casts.amp_cast`,
     which leaves integer, bool and complex tensors untouched at run time.
     """
 

@@ -1,6 +1,6 @@
 """The op tables as data: which ops run low, which stay fp32, which promote.
 
-Names are canonical op names (see :mod:`amp_fx.core.op_keys`): the ATen names that
+Names are canonical op names (see :mod:`amp_fx.ir.op_keys`): the ATen names that
 PyTorch's CUDA autocast op reference uses, so graphs traced at the torch level
 (``symbolic_trace``, Dynamo) and at the ATen level (``torch.export``) share one
 table.  Every op not listed here FOLLOWS: it runs in whatever dtype arrives.

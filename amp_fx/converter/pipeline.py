@@ -6,9 +6,9 @@ from typing import Optional
 
 import torch.fx as fx
 
-from amp_fx.core.config import AmpConfig
-from amp_fx.core.pass_manager import AmpPass, PassContext, run_passes
-from amp_fx.core.report import ConversionReport, build_report
+from amp_fx.ir.config import AmpConfig
+from amp_fx.ir.pass_manager import AmpPass, PassContext, run_passes
+from amp_fx.converter.report import ConversionReport, build_report
 from amp_fx.frontend.trace_hooks import finish_trace
 from amp_fx.passes.analyse_dtypes import analyse_dtypes
 from amp_fx.passes.assign_precision import assign_precision

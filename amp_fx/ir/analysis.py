@@ -23,13 +23,13 @@ The algorithm, one walk over the graph in order:
    unknown, with the reason; the walk goes on, and its readers fall back to
    step 4 (their casts are then guarded at run time by ``amp_cast``).
 4. Dtype-only mode (no example inputs, or an unknown input): the result rule
-   of the op, derived from the tables (:func:`amp_fx.core.dtype_rules.rule_value`).  Graph inputs'
+   of the op, derived from the tables (:func:`amp_fx.ir.dtype_rules.rule_value`).  Graph inputs'
    dtypes are unknown: nothing is assumed about them.
 
 Every node gets a :class:`ValueInfo` under ``meta.VALUE`` and the flat keys
-of :mod:`amp_fx.core.meta` (``IS_TENSOR``, ``IS_FLOAT``, ``FLOAT_DTYPE``,
+of :mod:`amp_fx.ir.meta` (``IS_TENSOR``, ``IS_FLOAT``, ``FLOAT_DTYPE``,
 ``SHAPE``, ``CONTAINER``).  The result rules of dtype-only mode live in
-:mod:`amp_fx.core.dtype_rules`; :mod:`amp_fx.core.cast_costs` turns an analysis into the
+:mod:`amp_fx.ir.dtype_rules`; :mod:`amp_fx.ir.cast_costs` turns an analysis into the
 casts ``insert_casts`` will write and the bytes they move.
 """
 
@@ -46,12 +46,12 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
-from amp_fx.core import meta, tables
-from amp_fx.core.casts import amp_cast
-from amp_fx.core.dtype_rules import explicit_dtype, opened_by_hooks, rule_value, widest
-from amp_fx.core.graph_module import switching_modes
-from amp_fx.core.meta import ValueInfo, may_be_float_tensor
-from amp_fx.core.op_keys import CAST_OPS
+from amp_fx.ir import meta, tables
+from amp_fx.graph_ops.casts import amp_cast
+from amp_fx.ir.dtype_rules import explicit_dtype, opened_by_hooks, rule_value, widest
+from amp_fx.graph_ops.mode_switch import switching_modes
+from amp_fx.ir.meta import ValueInfo, may_be_float_tensor
+from amp_fx.ir.op_keys import CAST_OPS
 from amp_fx.errors import AmpValueError
 
 __all__ = [

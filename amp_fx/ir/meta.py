@@ -16,7 +16,7 @@ key                 written by                   holds
 ``REASON``          assign_precision (+ repaint) one line a person reads in the report
 ``RULE``            assign_precision (+ repaint) ``table | policy | level | min-cut | ...``
 ``LOW_DTYPE``       region passes                this node's own low dtype (``autocast(dtype=)``)
-``VALUE``           the dtype analysis           :class:`amp_fx.core.analysis.ValueInfo`
+``VALUE``           the dtype analysis           :class:`amp_fx.ir.analysis.ValueInfo`
 ``IS_TENSOR``       the dtype analysis           True / False / None (unknown)
 ``IS_FLOAT``        the dtype analysis           True / False / None (unknown)
 ``FLOAT_DTYPE``     the dtype analysis           dtype the value has *if* it is floating

@@ -1,6 +1,6 @@
 """What a paint costs in cast traffic: value sizes, and the casts ``insert_casts`` will write with their bytes.
 
-Read off the dtype analysis (:mod:`amp_fx.core.analysis`), so the min-cut
+Read off the dtype analysis (:mod:`amp_fx.ir.analysis`), so the min-cut
 placement compares paints without rewriting a copy of the graph, and the
 report and views count the bytes of the casts that were written.
 """
@@ -15,9 +15,9 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from amp_fx.core import meta
-from amp_fx.core.analysis import Analysis, input_target, node_inputs
-from amp_fx.core.meta import ValueInfo, may_be_float_tensor
+from amp_fx.ir import meta
+from amp_fx.ir.analysis import Analysis, input_target, node_inputs
+from amp_fx.ir.meta import ValueInfo, may_be_float_tensor
 
 __all__ = ["ELEMENT_SIZE", "FALLBACK_NUMEL", "static_numel", "numel_estimates", "cast_bytes", "planned_casts"]
 

@@ -9,9 +9,9 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from amp_fx.core.cast_nodes import is_inserted_cast
-from amp_fx.core.cast_costs import cast_bytes
-from amp_fx.core.meta import float_dtype
+from amp_fx.ir.cast_nodes import is_inserted_cast
+from amp_fx.ir.cast_costs import cast_bytes
+from amp_fx.ir.meta import float_dtype
 from amp_fx.errors import AmpKeyError, did_you_mean
 
 __all__ = ["ConversionReport", "NodeRecord", "build_report"]
