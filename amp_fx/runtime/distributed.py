@@ -1,4 +1,4 @@
-"""Sharded training (FSDP2): per-block conversion, cross-rank inf/NaN verdicts, DTensor masters.
+"""Sharded training (FSDP2): convert a model block by block so that ``fully_shard`` can shard it.
 
 ``torch.distributed.fsdp.fully_shard(block)`` gathers a block's parameters in
 a hook on ``block.forward``. :func:`amp_fx.convert` inlines every submodule's
@@ -8,110 +8,29 @@ block on its own and the rest of the model around them, so that the converted
 model calls each converted block as a module; ``fully_shard`` then works on
 those blocks as on the original ones, and each block casts its (gathered,
 unsharded) weights once per forward.
+
+What the training step does with the shards (this rank's shard, DTensor
+masters, inf/NaN verdicts summed over the ranks) is :mod:`amp_fx.runtime.dtensors`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
-import torch.distributed as dist
 from torch import fx, nn
 
 from amp_fx.converter.graph_module import attach_masters
 from amp_fx.errors import AmpRuntimeError, AmpTypeError, AmpValueError
 
 from . import process_group_release  # noqa: F401  (before any init_process_group: see that module)
+# The step's DTensor helpers, importable from here as before (tests/distributed/fsdp_worker.py).
+from .dtensors import is_dtensor, local_tensor, reduce_found_inf, reduce_over_ranks, refuse_replaced_params, shard_like
 
 __all__ = [
     "convert_for_sharding", "init_optimizer_state", "is_dtensor", "local_tensor", "reduce_found_inf",
     "reduce_over_ranks", "refuse_replaced_params", "shard_like",
 ]
-
-
-def is_dtensor(tensor: Any) -> bool:
-    """Return whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (FSDP2's sharded parameters)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without distributed support
-        return False
-    return isinstance(tensor, DTensor)
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (a view: in-place ops on it change the DTensor), or the tensor itself."""
-    return tensor._local_tensor if is_dtensor(tensor) else tensor
-
-
-def shard_like(full: torch.Tensor, like: torch.Tensor) -> nn.Parameter:
-    """Return this rank's shard of the full tensor ``full``, as a DTensor Parameter placed like ``like``.
-
-    Every rank holds the same ``full`` (the original model's fp32 parameter), so
-    each slices its own shard locally: no communication, and the full copy can
-    be dropped afterwards.
-    """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    assert isinstance(like, DTensor)
-    shard = distribute_tensor(full.detach(), like.device_mesh, like.placements, src_data_rank=None)
-    return nn.Parameter(shard.to(torch.float32), requires_grad=like.requires_grad)
-
-
-def refuse_replaced_params(module: nn.Module, params: dict[str, torch.Tensor]) -> None:
-    """Refuse a module whose parameters fully_shard replaced by DTensor shards after ``params`` were taken.
-
-    ``params`` is ``{name: parameter}`` as a MasterWeightOptimizer recorded it;
-    the masters would no longer reach the module (FSDP2 registers new
-    Parameter objects), and training would silently stop.
-    """
-    for name, param in params.items():
-        if is_dtensor(param):
-            continue
-        try:
-            current = module.get_parameter(name)
-        except AttributeError:
-            continue
-        if current is not param and is_dtensor(current):
-            raise AmpRuntimeError(
-                f"the module's parameter {name!r} was replaced by a DTensor shard after "
-                "MasterWeightOptimizer was built (fully_shard after amp_fx.initialize or after "
-                "MasterWeightOptimizer), so the masters would never reach the module. Shard first, "
-                "then build the optimizer: gm = amp_fx.runtime.convert_for_sharding(model, 'O2', "
-                "blocks=..., keep_batchnorm_fp32=False); fully_shard each block, then gm; then "
-                "MasterWeightOptimizer(torch.optim.X(model.parameters()), gm). See the README's "
-                "'Sharded training'."
-            )
-
-
-def reduce_found_inf(found: torch.Tensor, groups: Iterable[Any]) -> torch.Tensor:
-    """Sum a 0-dim inf/NaN verdict over every rank of ``groups`` (in place; every rank must call it).
-
-    One rank's overflow then skips the step on all of them, and their loss
-    scales stay identical (what torch's ShardedGradScaler does for FSDP).
-    """
-    for group in groups:
-        dist.all_reduce(found, op=dist.ReduceOp.SUM, group=group)
-    return found
-
-
-def reduce_over_ranks(found: dict, grads: list[torch.Tensor]) -> dict:
-    """Sum per-device inf/NaN verdicts over the ranks the DTensor ``grads`` are sharded over (else as is)."""
-    groups = process_groups_of(grads)
-    if not groups:
-        return found
-    return {device: reduce_found_inf(flag, groups) for device, flag in found.items()}
-
-
-def process_groups_of(tensors: Iterable[torch.Tensor]) -> list[Any]:
-    """The distinct process groups over which the DTensors among ``tensors`` are sharded."""
-    groups: dict[int, Any] = {}
-    for tensor in tensors:
-        if is_dtensor(tensor):
-            mesh = tensor.device_mesh
-            for dim in range(mesh.ndim):
-                group = mesh.get_group(dim)
-                groups.setdefault(id(group), group)
-    return list(groups.values())
 
 
 # ------------------------------------------------------------- conversion

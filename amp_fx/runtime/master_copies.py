@@ -16,7 +16,7 @@ from typing import Iterable
 
 import torch
 
-from .distributed import is_dtensor, local_tensor
+from .dtensors import is_dtensor, local_tensor
 from amp_fx.errors import AmpNotImplementedError
 
 __all__ = ["CopyGroup", "group_pairs"]

@@ -53,7 +53,7 @@ from amp_fx.converter.graph_module import MASTER_ATTR
 from amp_fx.graph_ops.master_sync import record, writers
 from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer, check_inner_optimizer
 
-from .distributed import is_dtensor, local_tensor, refuse_replaced_params, shard_like
+from .dtensors import is_dtensor, local_tensor, refuse_replaced_params, shard_like
 from .master_copies import CopyGroup, group_pairs
 from .modules import unwrap_compiled
 from .step_impl import prefer_fast_step

@@ -16,7 +16,7 @@ from typing import Iterable
 
 import torch
 
-from .distributed import local_tensor
+from .dtensors import local_tensor
 from amp_fx.errors import AmpNotImplementedError, AmpTypeError
 
 __all__ = ["check_and_unscale_", "grads_of", "combined_found_inf"]
