@@ -17,8 +17,10 @@ __all__ = [
     "AmpError", "AmpValueError", "AmpTypeError", "AmpRuntimeError", "AmpKeyError", "AmpIndexError",
     "AmpNotImplementedError",
     "BannedOpError", "UnknownOpError", "AlreadyConvertedError", "UnsupportedConstructError",
-    "did_you_mean", "unknown_options_error", "checks_keywords",
+    "did_you_mean", "unknown_options_error", "checks_keywords", "PACKAGE",
 ]
+
+PACKAGE = __name__.split(".")[0]  # "amp_fx": user-facing names and logger names are built from it, never spelt
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -102,8 +104,11 @@ def unknown_options_error(bad: Iterable[str], valid: Iterable[str], where: str, 
 def checks_keywords(where: str, *, kind: str = "option") -> Callable[[_F], _F]:
     """Decorate a function so an unknown keyword raises :func:`unknown_options_error` instead of Python's bare TypeError.
 
-    The signature (``help()``, ``inspect.signature``) stays the function's own.
+    ``where`` is the public name without the package (``"LossScaler"``: the
+    message says ``amp_fx.LossScaler``).  The signature (``help()``,
+    ``inspect.signature``) stays the function's own.
     """
+    where = f"{PACKAGE}.{where}"
 
     def decorate(function: _F) -> _F:
         parameters = inspect.signature(function).parameters.values()

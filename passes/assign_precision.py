@@ -1,7 +1,7 @@
 """Analysis: paint every node with a precision decision and a human-readable reason.
 
-Decide first, rewrite second: this pass only writes ``amp_fx.decision``,
-``amp_fx.reason`` and ``amp_fx.rule``; ``insert_casts`` reads the paint.
+Decide first, rewrite second: this pass only writes ``meta.DECISION``,
+``meta.REASON`` and ``meta.RULE``; ``insert_casts`` reads the paint.
 
 The algorithm, numbered as the DEBUG log lines are:
 
@@ -31,31 +31,24 @@ import torch.fx as fx
 
 from amp_fx.frontend import regions
 
-from amp_fx.ir import tables
+from amp_fx.ir import meta, op_properties, tables
 from amp_fx.frontend.declared_precision import declared_precision, policy_target
 from amp_fx.errors import BannedOpError, UnknownOpError
 from amp_fx.ir.cast_nodes import written_cast_dtype
 from amp_fx.ir.op_keys import CAST_OPS
-from amp_fx.ir.pass_manager import PassContext, PassResult
+from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
 
 __all__ = ["assign_precision", "DECISION_KEY", "REASON_KEY"]
 
-DECISION_KEY = "amp_fx.decision"
-REASON_KEY = "amp_fx.reason"
-logger = logging.getLogger("amp_fx.passes.assign_precision")
+DECISION_KEY = meta.DECISION  # kept importable from here
+REASON_KEY = meta.REASON
+logger = logging.getLogger(__name__)  # amp_fx.passes.assign_precision
 
-# Norm ops that compute statistics over their input (layer/group/rms norm):
-# they run fp32 under keep_batchnorm_fp32.  batch_norm and instance_norm
-# take low input with fp32 statistics, so they follow.
-_STAT_NORMS = frozenset({"layer_norm", "group_norm", "rms_norm"})
-_FOLLOWING_NORMS = frozenset({"batch_norm", "instance_norm"})
-# The nodes around a hooked module (amp_fx/frontend/module_hooks.py): follow, never counted as unknown ops.
-_HOOK_OPS = frozenset({"module_hook_enter", "module_hook_exit", "module_hook_value"})
 
 
 def _where(node: fx.Node) -> str:
-    source = node.meta.get("amp_fx.source")
-    module = node.meta.get("amp_fx.module_path") or "<root>"
+    source = meta.SOURCE.get(node)
+    module = meta.MODULE_PATH.get(node) or "<root>"
     return f"node {node.name!r} in module {module!r}" + (f" at {source}" if source else "")
 
 
@@ -69,11 +62,14 @@ def _level_decision(node: fx.Node, op: str, ctx: PassContext) -> tuple[str, str,
         raise BannedOpError(f"{tables.BANNED[op]}\n  ({_where(node)})")
     if config.op_mode == "all_low":
         level = config.level
-        if op in _STAT_NORMS and config.keep_batchnorm_fp32:
+        # Norms that compute statistics over their input (layer/group/rms norm) run fp32 under
+        # keep_batchnorm_fp32; batch_norm and instance_norm take low input with fp32 statistics.
+        norm = op_properties.of(op).norm
+        if norm == "statistics" and config.keep_batchnorm_fp32:
             return "fp32", f"{level}: normalisation kept fp32 (keep_batchnorm_fp32=True)", "level"
-        if op in _FOLLOWING_NORMS and config.keep_batchnorm_fp32:
+        if norm == "input_dtype" and config.keep_batchnorm_fp32:
             return "follow", f"{level}: batch norm follows its input", "level"
-        if op in _FOLLOWING_NORMS:
+        if norm == "input_dtype":
             # Its parameters are low too: CPU kernels refuse an fp32 input beside them.
             return "low", f"{level}: batch norm runs low with its low parameters (keep_batchnorm_fp32=False)", "level"
         if op in tables.DATA_MOVEMENT:
@@ -96,11 +92,11 @@ def _level_decision(node: fx.Node, op: str, ctx: PassContext) -> tuple[str, str,
 def _decide(node: fx.Node, ctx: PassContext) -> tuple[str, str, str]:
     config = ctx.config
     if node.op == "placeholder":
-        if node.meta.get("amp_fx.param") is None and config.op_mode == "all_low" and node.meta.get("amp_fx.is_float") is not False:
+        if meta.PARAM.get(node) is None and config.op_mode == "all_low" and meta.is_float(node) is not False:
             return "entry", f"{config.level}: floating graph inputs cast low at entry", "level"
         return "none", "graph input", "level"
     if node.op == "get_attr":
-        return "none", "parameter or buffer" if node.meta.get("amp_fx.param") else "attribute", "level"
+        return "none", "parameter or buffer" if meta.PARAM.get(node) else "attribute", "level"
     if node.op == "output":
         if config.cast_model_outputs is not None:
             return "exit", f"outputs cast to {str(config.cast_model_outputs).replace('torch.', '')} (cast_model_outputs)", "level"
@@ -108,14 +104,14 @@ def _decide(node: fx.Node, ctx: PassContext) -> tuple[str, str, str]:
     role = regions.marker_role(node)
     if role is not None:
         return "none", f"the model's {role[1]} region ({role[0]})", "grad-mode" if role[1] == "grad" else "autocast"
-    op = node.meta.get("amp_fx.op") or str(node.target)
-    if op in _HOOK_OPS:  # before policies: hooks change nothing about precision
+    op = meta.OP.get(node) or str(node.target)
+    if op_properties.of(op).hook is not None:  # the nodes around a hooked module: before policies, never unknown
         return "follow", "module hook boundary: runs the module's hooks, computes nothing", "hooks"
     if op in CAST_OPS:
         return "cast", "explicit cast", "model"
     if op in tables.EXPORT_CHECKS:
         return "none", "torch.export check: computes nothing, kept true to the rewritten dtypes", "level"
-    rule = ctx.policy.decide(op, policy_target(node), node.meta.get("amp_fx.module_stack") or [])
+    rule = ctx.policy.decide(op, policy_target(node), meta.MODULE_STACK.get(node) or [])
     if rule is not None:
         if op in tables.BANNED and rule.decision != "fp32" and not config.allow_banned:
             raise BannedOpError(f"{tables.BANNED[op]}\n  ({_where(node)}; {rule.describe()} would run it {rule.decision})")
@@ -129,24 +125,24 @@ def _decide(node: fx.Node, ctx: PassContext) -> tuple[str, str, str]:
 
 def _widening_model_cast(node: fx.Node) -> bool:
     """A cast the model itself wrote to float32/float64 (``x.float()``, ``x.to(torch.float32)``)."""
-    return node.meta.get("amp_fx.op") in CAST_OPS and written_cast_dtype(node) in (torch.float32, torch.float64)
+    return meta.OP.get(node) in CAST_OPS and written_cast_dtype(node) in (torch.float32, torch.float64)
 
 
 def _asserted_full_precision(node: fx.Node) -> bool:
     """torch.export kept the model's ``x.float()`` on an fp32 ``x`` only as a dtype check: the model asked for fp32."""
-    return any(u.meta.get("amp_fx.op") == "_assert_tensor_metadata" and u.kwargs.get("dtype") in (torch.float32, torch.float64)
+    return any(meta.OP.get(u) == "_assert_tensor_metadata" and u.kwargs.get("dtype") in (torch.float32, torch.float64)
                for u in node.users)
 
 
 def _moves_only(node: fx.Node) -> bool:
     """Data movement, or a ``.to(device)`` that changes no dtype."""
-    op = node.meta.get("amp_fx.op")
+    op = meta.OP.get(node)
     return op in tables.DATA_MOVEMENT or (op in CAST_OPS and written_cast_dtype(node) is None)
 
 
 def _read_only_widened(node: fx.Node) -> bool:
     """Every use of ``node`` (through views and device moves) is a cast the model wrote to full precision."""
-    users = [u for u in node.users if u.meta.get("amp_fx.op") not in tables.EXPORT_CHECKS]
+    users = [u for u in node.users if meta.OP.get(u) not in tables.EXPORT_CHECKS]
     return bool(users) and all(_widening_model_cast(u) or (_moves_only(u) and _read_only_widened(u)) for u in users)
 
 
@@ -161,7 +157,7 @@ def _respect_model_casts(node: fx.Node, decision: str, reason: str, rule: str, w
     if ctx.config.op_mode != "all_low":
         return decision, reason, rule
     if node.op == "get_attr" and (_read_only_widened(node) or _asserted_full_precision(node)):
-        node.meta["amp_fx.keep_fp32"] = True
+        meta.KEEP_FP32.set(node, True)
         wide.add(node)
     if _widening_model_cast(node):
         wide.add(node)
@@ -172,11 +168,11 @@ def _respect_model_casts(node: fx.Node, decision: str, reason: str, rule: str, w
     # torch.export dropped the model's x.float() (x was fp32 when traced) and kept a dtype check: its readers
     # get the fp32 the model asked for.
     reads_asserted = any(n.op not in ("get_attr", "placeholder") and _asserted_full_precision(n) for n in node.all_input_nodes)
-    if reads_wide and node.meta.get("amp_fx.op") in CAST_OPS and written_cast_dtype(node) is None:
+    if reads_wide and meta.OP.get(node) in CAST_OPS and written_cast_dtype(node) is None:
         wide.add(node)  # a .to(device) of a full-precision value
         return decision, reason, rule
     # GEMMs, convolutions, norms and leaf modules run with their (low) parameters: they stay low.
-    with_params = node.meta.get("amp_fx.op") in tables.LOW or node.meta.get("amp_fx.op") in tables.NORM_OPS \
+    with_params = meta.OP.get(node) in tables.LOW or meta.OP.get(node) in tables.NORM_OPS \
         or node.op == "call_module"
     if reads_asserted and rule == "level" and decision in ("low", "follow") and not with_params:
         decision, reason, rule = "fp32", f"{ctx.config.level}: the model casts this input to full precision", "model"
@@ -188,23 +184,24 @@ def _respect_model_casts(node: fx.Node, decision: str, reason: str, rule: str, w
     return decision, reason, rule
 
 
+@amp_pass(kind="analysis", requires=("meta",), ensures=("paint",), invalidates=("dtypes",))
 def assign_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Paint every node with ``amp_fx.decision`` / ``amp_fx.reason`` / ``amp_fx.rule``."""
+    """Paint every node with ``meta.DECISION`` / ``meta.REASON`` / ``meta.RULE``."""
     counts: dict[str, int] = {}
     unknown: dict[str, int] = {}
     wide: set[fx.Node] = set()  # values the model widened itself, and what follows them
     for node in gm.graph.nodes:
         decision, reason, rule = _respect_model_casts(node, *_decide(node, ctx), wide, ctx)
-        if node.meta.get("amp_fx.inplace") and decision == "low":
+        if meta.INPLACE.get(node) and decision == "low":
             decision, reason = "follow", "in-place op: runs in its input's dtype (autocast does not cast in-place ops)"
-        elif node.meta.get("amp_fx.inplace") and decision == "fp32":
+        elif meta.INPLACE.get(node) and decision == "fp32":
             reason = f"{reason} (in-place: computed out of place in fp32, written back)"
-        node.meta[DECISION_KEY] = decision
-        node.meta[REASON_KEY] = reason
-        node.meta["amp_fx.rule"] = rule
+        meta.DECISION.set(node, decision)
+        meta.REASON.set(node, reason)
+        meta.RULE.set(node, rule)
         counts[decision] = counts.get(decision, 0) + 1
         if rule == "unknown":
-            op = node.meta.get("amp_fx.op")
+            op = meta.OP.get(node)
             unknown[op] = unknown.get(op, 0) + 1
         logger.debug("step %s: %s -> %s (%s)", "3" if rule == "policy" else "4", node.name, decision, reason)
     return PassResult(gm, False, {"decisions": counts, "unknown_ops": unknown})

@@ -22,7 +22,7 @@ import torch.fx as fx
 from amp_fx.ir import meta, tables
 from amp_fx.graph_ops.cast_cache import cached_cast
 from amp_fx.ir.cast_nodes import cast_source, cast_target, is_inserted_cast
-from amp_fx.ir.pass_manager import PassContext, PassResult
+from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
 
 __all__ = ["cache_weight_casts"]
 
@@ -41,6 +41,7 @@ def _escapes(node: fx.Node) -> bool:
     return False
 
 
+@amp_pass(kind="rewrite", requires=("meta",))
 def cache_weight_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Turn parameter casts into cached casts (see the module docstring)."""
     if not getattr(ctx.config, "cache_casts", True) or ctx.route == "dynamo":

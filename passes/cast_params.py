@@ -29,7 +29,7 @@ from torch.fx.node import map_arg
 
 from amp_fx.ir import meta
 from amp_fx.ir.analysis import alias_root
-from amp_fx.ir.pass_manager import PassContext, PassResult
+from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
 from amp_fx.ir.tables import NORM_OPS
 
 __all__ = ["cast_params", "norm_tensor_names"]
@@ -39,14 +39,14 @@ def norm_tensor_names(gm: fx.GraphModule) -> set[str]:
     """Names of the parameters and buffers that normalisation ops consume."""
     names: set[str] = set()
     for node in gm.graph.nodes:
-        if node.meta.get("amp_fx.op") not in NORM_OPS:
+        if meta.OP.get(node) not in NORM_OPS:
             continue
         if node.op == "call_module":
             module = gm.get_submodule(str(node.target))
             prefix = f"{node.target}."
             names.update(prefix + n for n, _ in module.named_parameters())
             names.update(prefix + n for n, _ in module.named_buffers())
-        map_arg((node.args, node.kwargs), lambda n: names.add(n.meta["amp_fx.param"]) if n.meta.get("amp_fx.param") else None)
+        map_arg((node.args, node.kwargs), lambda n: names.add(n.meta[meta.PARAM]) if meta.PARAM.get(n) else None)
     return names
 
 
@@ -83,13 +83,14 @@ def _replace_buffer(gm: fx.GraphModule, names: list[str], tensor: torch.Tensor) 
         (gm.get_submodule(owner) if owner else gm)._buffers[leaf] = tensor
 
 
+@amp_pass(kind="rewrite", requires=("meta", "paint"), invalidates=("dtypes",))
 def cast_params(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Cast floating parameters and buffers to the low dtype (norms kept fp32 when asked, written buffers kept)."""
     low = ctx.low
     norms = norm_tensor_names(gm)
     keep = set(norms) if ctx.config.keep_batchnorm_fp32 else set()
     # read only by the model's autocast(enabled=False) regions (honour_autocast_regions marks them): stay fp32
-    keep |= {n.meta["amp_fx.param"] for n in gm.graph.nodes if n.meta.get("amp_fx.keep_fp32") and n.meta.get("amp_fx.param")}
+    keep |= {n.meta[meta.PARAM] for n in gm.graph.nodes if meta.KEEP_FP32.get(n) and meta.PARAM.get(n)}
     written = _written_tensors(gm)
     source_dtypes = ctx.source_dtypes
     cast = 0
@@ -117,12 +118,12 @@ def cast_params(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             _replace_buffer(gm, names, tensor.detach().to(low))
         cast += 1
     for node in gm.graph.nodes:
-        name = node.meta.get("amp_fx.param")
-        if node.op == "get_attr" and name and node.meta.get("amp_fx.is_float"):
+        name = meta.PARAM.get(node)
+        if node.op == "get_attr" and name and meta.is_float(node):
             attr = gm
             for atom in name.split("."):
                 attr = getattr(attr, atom)
-            node.meta["amp_fx.orig_dtype"] = attr.dtype
+            meta.ORIG_DTYPE.set(node, attr.dtype)
             if attr.dtype != getattr(node.meta.get("val"), "dtype", attr.dtype):
                 del node.meta["val"]  # a stale fp32 example value would make a later run cast it again
     stats = {"tensors_cast": cast, "kept_fp32": len(keep), "kept_float64": kept_float64, "kept_written": kept_written}

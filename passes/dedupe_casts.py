@@ -14,26 +14,19 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from amp_fx.ir import tables
+from amp_fx.ir import meta, op_properties
 from amp_fx.ir.analysis import alias_root, mutated_roots
 from amp_fx.ir.cast_nodes import CastBuilder, cast_source, cast_target, is_inserted_cast
-from amp_fx.ir.meta import FLOAT_DTYPE
-from amp_fx.ir.pass_manager import PassContext, PassResult
+from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
 
 __all__ = ["dedupe_casts"]
-
-# Views with one tensor input: casting before or after them gives the same values, and the
-# same gradients.  Not ``expand``: its backward sums over the broadcast, which would then run in
-# the low dtype instead of fp32 (autocast casts the expanded value and sums in fp32).
-_HOISTABLE = frozenset({
-    "t", "transpose", "permute", "view", "reshape", "contiguous", "unsqueeze", "squeeze",
-    "flatten", "getitem", "select", "narrow", "detach", "view_as", "alias", "unflatten",
-}) & tables.DATA_MOVEMENT
 
 
 def _single_tensor_view(node: fx.Node) -> fx.Node | None:
     """The tensor a view-like node reads, when it reads exactly one tensor."""
-    if node.meta.get("amp_fx.op") not in _HOISTABLE or not node.args:
+    # Views with one tensor input: casting before or after them gives the same values, and the same
+    # gradients (op_properties: cast_hoistable).  Not ``expand``: its backward would sum in the low dtype.
+    if not op_properties.of(meta.OP.get(node)).cast_hoistable or not node.args:
         return None
     source = node.args[0]
     others: list[fx.Node] = []
@@ -45,7 +38,7 @@ def _single_tensor_view(node: fx.Node) -> fx.Node | None:
 
 def _rooted_at_param(node: fx.Node) -> bool:
     """True when ``node`` is a parameter or a chain of views of one."""
-    while node.meta.get("amp_fx.param") is None:
+    while meta.PARAM.get(node) is None:
         source = _single_tensor_view(node)
         if source is None:
             return False
@@ -53,6 +46,7 @@ def _rooted_at_param(node: fx.Node) -> bool:
     return True
 
 
+@amp_pass(kind="rewrite", requires=("meta",))
 def dedupe_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Hoist casts of views of parameters above the view (see module docstring)."""
     graph = gm.graph
@@ -69,7 +63,7 @@ def dedupe_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             view = cast_source(cast)
             source = _single_tensor_view(view) if view is not None else None
             target = cast_target(cast)
-            if source is None or source.meta.get("amp_fx.is_float") is not True or alias_root(source) in mutated:
+            if source is None or meta.is_float(source) is not True or alias_root(source) in mutated:
                 continue
             if not _rooted_at_param(source) and (source, target) not in builder.cache:
                 continue
@@ -79,8 +73,8 @@ def dedupe_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             with graph.inserting_before(cast):
                 new_view = graph.node_copy(view, lambda n: source_cast if n is source else n)
             new_view.meta = dict(view.meta)
-            new_view.meta[FLOAT_DTYPE] = target
-            new_view.meta["amp_fx.reason"] = f"{view.meta.get('amp_fx.reason', '')}; reads the shared cast of {source.name}"
+            meta.note_value(new_view, float_dtype=target)
+            meta.REASON.set(new_view, f"{meta.REASON.get(view, '')}; reads the shared cast of {source.name}")
             cast.replace_all_uses_with(new_view)
             graph.erase_node(cast)
             if not view.users:

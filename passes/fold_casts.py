@@ -14,9 +14,10 @@ import torch
 import torch.fx as fx
 
 from amp_fx.ir.cast_nodes import cast_source, cast_target, is_inserted_cast, is_model_cast
-from amp_fx.ir.pass_manager import PassContext, PassResult
+from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
 from amp_fx.ir.analysis import alias_root, mutated_roots
-from amp_fx.ir.meta import FLOAT_DTYPE, float_dtype
+from amp_fx.ir import meta
+from amp_fx.ir.meta import float_dtype
 
 __all__ = ["fold_casts"]
 
@@ -36,9 +37,10 @@ def _narrower_float(node: fx.Node) -> bool:
     An integer or bool value (``mask.float()``) must keep the model's cast, and
     so must float64, which amp_fx never casts.
     """
-    return node.meta.get("amp_fx.is_float") is True and float_dtype(node) != torch.float64
+    return meta.is_float(node) is True and float_dtype(node) != torch.float64
 
 
+@amp_pass(kind="rewrite", requires=("meta",))
 def fold_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Fold chains, drop no-op casts and merge duplicates among the inserted casts."""
     folded = dropped = merged = 0
@@ -63,7 +65,7 @@ def fold_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             # A cast kept in ``seen`` may still take over later duplicates of itself.
             if not inner.users and seen.get((cast_source(inner), cast_target(inner))) is not inner:
                 gm.graph.erase_node(inner)
-        if float_dtype(source) == target and source.meta.get("amp_fx.is_float") is True:
+        if float_dtype(source) == target and meta.is_float(source) is True:
             _replace(node, source)
             dropped += 1
             continue
@@ -73,7 +75,8 @@ def fold_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             merged += 1
             continue
         seen[key] = node
-        node.meta[FLOAT_DTYPE] = target
+        if float_dtype(node) != target:
+            meta.note_value(node, float_dtype=target)
     for node in list(gm.graph.nodes):
         if is_inserted_cast(node) and not node.users:
             gm.graph.erase_node(node)

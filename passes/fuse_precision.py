@@ -21,8 +21,11 @@ A node is fused when (checked on the dtype analysis of the final paint):
 
 The node keeps its ``fp32`` decision (the report shows it with a "fused"
 reason) and is marked ``meta.FUSED``; :func:`amp_fx.ir.analysis.input_target`
-then asks for its inputs as they arrive, and the analysis is re-run so every
-reader sees the low result.  ``insert_casts`` writes no cast for it.
+then asks for its inputs as they arrive, and the pass runner runs the
+analysis again (the pass ensures ``"dtypes"``) so every reader sees the low
+result.  ``insert_casts`` writes no cast for it.  The marks are paint, and
+the pass says so (``repainted``); ``modified`` says only whether the code
+changed (a ``layer_norm`` call retargeted).
 
 Which forms: each was measured against the cast form (``tests/passes/
 test_fuse_precision.py``): output within 1 low-dtype ulp, and input, weight
@@ -52,22 +55,17 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from amp_fx.ir import meta, tables
+from amp_fx.ir import meta, op_properties
 from amp_fx.graph_ops.fused_norms import layer_norm_fp32_stats
 from amp_fx.ir.analysis import analyse, input_target, node_inputs
-from amp_fx.ir.pass_manager import PassContext, PassResult
+from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
 
 __all__ = ["fuse_precision", "FUSED_FORMS"]
 
 _LOW = (torch.bfloat16, torch.float16)
-# op -> (device types with a verified kernel, what the report says it does)
-# (Not batch_norm: CPU's mixed backward gives a 1.17x larger input-gradient error than the cast form
-# against fp64.  At O1 batch_norm follows its input anyway; only a policy pins it fp32.)
-FUSED_FORMS: dict[str, tuple[frozenset, str]] = {
-    "group_norm": (frozenset({"cpu"}), "group_norm"),
-    "instance_norm": (frozenset({"cpu"}), "instance_norm"),
-    "layer_norm": (frozenset({"cpu"}), "layer_norm without weight and bias"),
-}
+# op -> its fused form (device types with a verified kernel, what the report says it does): the op registry's
+# ``fused_form`` of each op, re-exported under the name readers of this pass know.
+FUSED_FORMS = op_properties.FUSED_FORMS
 _AFFINE_LAYER_NORM = "layer_norm with fp32 statistics and fp32 weight/bias gradients"
 _PLAIN_LAYER_NORM = "layer_norm without weight and bias, with fp32 statistics and an fp32 backward"
 # Call forms of an affine layer_norm that can run as layer_norm_fp32_stats (F.layer_norm's signature;
@@ -80,8 +78,7 @@ def _device_types(gm: fx.GraphModule, node: fx.Node) -> set[str]:
     """Device types of every tensor ``node`` reads whose value the conversion knows (fakes, parameters)."""
     found: set[str] = set()
     for value in node_inputs(node):
-        info = value.meta.get(meta.VALUE)
-        fake = getattr(info, "fake", None)
+        fake = getattr(meta.value_of(value), "fake", None)
         if isinstance(fake, torch.Tensor):
             found.add(fake.device.type)
         elif value.op == "get_attr":
@@ -119,16 +116,12 @@ def _weights_fp32(gm: fx.GraphModule, node: fx.Node, first: fx.Node, values: dic
     return True
 
 
-# Where F.layer_norm/group_norm and F.batch_norm/instance_norm take their weight and bias.
-_WEIGHT_BIAS_POSITIONS = {"layer_norm": (2, 3), "group_norm": (2, 3), "batch_norm": (3, 4), "instance_norm": (3, 4)}
-
-
 def _has_affine(gm: fx.GraphModule, node: fx.Node) -> bool:
     """True when a norm has a weight or bias."""
     if node.op == "call_module":
         module = gm.get_submodule(str(node.target))
         return any(True for _ in module.parameters(recurse=False))
-    w, b = _WEIGHT_BIAS_POSITIONS.get(node.meta.get(meta.OP), (2, 3))
+    w, b = op_properties.of(node.meta.get(meta.OP)).weight_bias_args or (2, 3)  # F.layer_norm's positions
     weight = node.args[w] if len(node.args) > w else node.kwargs.get("weight")
     bias = node.args[b] if len(node.args) > b else node.kwargs.get("bias")
     return weight is not None or bias is not None
@@ -154,7 +147,8 @@ def _retarget(node: fx.Node, fused: bool) -> bool:
 def _fusable(gm: fx.GraphModule, node: fx.Node, ctx: PassContext, values: dict) -> Optional[torch.dtype]:
     """The low dtype ``node`` would run its fused form in, or None (see the module docstring)."""
     op = node.meta.get(meta.OP)
-    if node.meta.get(meta.DECISION) != "fp32" or op not in FUSED_FORMS or node.meta.get(meta.INPLACE):
+    form = op_properties.of(op).fused_form
+    if node.meta.get(meta.DECISION) != "fp32" or form is None or node.meta.get(meta.INPLACE):
         return None
     if node.op not in ("call_function", "call_method", "call_module") or not node.args:
         return None
@@ -164,7 +158,7 @@ def _fusable(gm: fx.GraphModule, node: fx.Node, ctx: PassContext, values: dict) 
         return None
     low = info.float_dtype
     devices = _device_types(gm, node)
-    if not devices or not devices <= FUSED_FORMS[op][0]:
+    if not devices or not devices <= form.devices:
         return None
     if not _weights_fp32(gm, node, first, values) or not node.users:
         return None
@@ -182,16 +176,19 @@ def _fusable(gm: fx.GraphModule, node: fx.Node, ctx: PassContext, values: dict) 
     return low if _read_low(node, low, ctx, values, gm) else None
 
 
-# Single-input ops that commute with rounding: f(round(y)) == round(f(y)) exactly (rounding to nearest is
-# monotone and symmetric; these only select, negate or compare values).  A fused norm's result may pass
-# through them on its way to a low reader: relu(round(y)) is what the cast form's round(relu(y)) gives.
-_COMMUTES_WITH_ROUNDING = tables.DATA_MOVEMENT | {
-    "relu", "relu6", "neg", "abs", "max_pool1d", "max_pool2d", "max_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d"}
-
-
 def _passes_through(user: fx.Node, value: fx.Node, gm: fx.GraphModule, values: dict) -> bool:
-    """``user`` follows ``value`` through an op that commutes with rounding, reading no other floating tensor."""
-    if user.meta.get(meta.OP) not in _COMMUTES_WITH_ROUNDING or user.meta.get(meta.DECISION, "follow") != "follow":
+    """``user`` follows ``value`` through an op that commutes with rounding, reading no other floating tensor.
+
+    A fused norm's result may pass through such an op on its way to a low reader: relu(round(y)) is
+    what the cast form's round(relu(y)) gives, and so is relu's backward.  The op registry says which
+    ops are exact under rounding, forward and backward (:func:`~amp_fx.ir.op_properties.exact_under_rounding_at`;
+    not relu6/clamp, whose backward masks at a bound rounding can cross, nor expand/gathers, whose
+    backward sums).  Max pooling passes too, as it always did (``routes``: test_fused_through_relu_and_max_pool),
+    though a tie that rounding makes can route a window's gradient to another element.
+    """
+    if not op_properties.exact_under_rounding_at(user, routes=True):
+        return False
+    if user.meta.get(meta.DECISION, "follow") != "follow":
         return False
     if user.meta.get(meta.INPLACE) or not user.args or user.args[0] is not value:
         return False
@@ -220,6 +217,7 @@ def _read_low(value: fx.Node, low: torch.dtype, ctx: PassContext, values: dict, 
     return True
 
 
+@amp_pass(kind="rewrite", requires=("meta", "paint", "dtypes"), ensures=("dtypes",))
 def fuse_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Mark fp32 norms whose fused mixed-dtype kernel keeps their precision (see module docstring)."""
     graph = gm.graph
@@ -227,10 +225,10 @@ def fuse_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False, {"skipped": "the graph already has its casts (fuse_precision runs before insert_casts)"})
     # Decide afresh: a mark left by an earlier run is not evidence.
     stale = [node for node in graph.nodes if node.meta.pop(meta.FUSED, None)]
-    if stale or any(meta.VALUE not in node.meta for node in graph.nodes):
-        analyse(gm, ctx)
+    # The stored analysis (the runner's: "dtypes" is required) saw those marks: without them, decide on the
+    # analysis of the graph as it now is (computed, not stored; the runner stores the final one).
+    values = analyse(gm, ctx).values if stale else {n: meta.value_of(n) for n in graph.nodes}
     enabled = getattr(ctx.config, "fuse_precision", True)
-    values = {n: n.meta[meta.VALUE] for n in graph.nodes}
     fused: list[str] = []
     retargeted = False
     for node in graph.nodes:
@@ -244,19 +242,19 @@ def fuse_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if precise_layer_norm:
             node.meta[meta.FUSED] = _AFFINE_LAYER_NORM if _has_affine(gm, node) else _PLAIN_LAYER_NORM
         else:
-            node.meta[meta.FUSED] = FUSED_FORMS[node.meta[meta.OP]][1]
+            node.meta[meta.FUSED] = op_properties.of(node.meta[meta.OP]).fused_form.description
         reason = node.meta.get(meta.REASON, "fp32").split("; fused")[0]  # an earlier run's words are not kept twice
         node.meta[meta.REASON] = (f"{reason}; fused ({node.meta[meta.FUSED]}): computes in fp32 from its {name} input and fp32 weights, "
                                   f"rounding once to {name} as the cast back would (no casts)")
         fused.append(node.name)
-    if fused:
-        analyse(gm, ctx)  # readers see the low result
+    # Readers see the low result: the runner analyses again ("dtypes" is ensured) when the marks changed.
+    repainted = {node.name for node in stale} != set(fused)
     if not enabled:
-        return PassResult(gm, retargeted, {"fused": 0, "skipped": "fuse_precision=False"})
+        return PassResult(gm, retargeted, {"fused": 0, "skipped": "fuse_precision=False"}, repainted=repainted)
     stats = {"fused": len(fused)}
     if fused:
         stats["report_lines"] = [f"{len(fused)} fp32 norm(s) fused (low input, fp32 weights, no casts): {', '.join(fused[:8])}"
                                  + (f" and {len(fused) - 8} more" if len(fused) > 8 else "")]
     # Marks and reasons are metadata: the code changes here only where an affine layer_norm call is
     # retargeted (or reverted); otherwise only when insert_casts writes (fewer) casts.
-    return PassResult(gm, retargeted, stats)
+    return PassResult(gm, retargeted, stats, repainted=repainted)

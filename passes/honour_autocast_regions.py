@@ -15,7 +15,7 @@ before ``insert_casts`` (nothing is cast yet):
    what reads such a value runs as written ("follow").
 3. An enabled region lets the level decide, as autocast's own lists would;
    a low op in a region whose dtype differs from the conversion's runs in the
-   region's dtype (``amp_fx.low_dtype``, read by the dtype analysis).
+   region's dtype (``meta.LOW_DTYPE``, read by the dtype analysis).
 4. A policy rule beats a region, a region beats the tables.  The model's own
    casts, graph inputs and outputs keep their decision.  Every other node in
    a region reports rule ``autocast`` or ``grad-mode`` (the innermost region's
@@ -38,19 +38,18 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from amp_fx.ir import tables
-from amp_fx.ir.pass_manager import PassContext, PassResult
+from amp_fx.ir import meta, tables
+from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
 from amp_fx.frontend.regions_export import NOTES_ATTR
-from amp_fx.frontend.regions import GRAD_READ_KEY, LOW_DTYPE_KEY, Region, autocast_rule, marker_role, region_stacks, separate_grad_reads
+from amp_fx.frontend.regions import Region, autocast_rule, marker_role, region_stacks, separate_grad_reads
 from amp_fx.frontend.train_flags import FROZEN_ATTR
 
 __all__ = ["honour_autocast_regions", "is_autocast_enter", "is_autocast_exit"]
 
-logger = logging.getLogger("amp_fx.passes.honour_autocast_regions")
+logger = logging.getLogger(__name__)  # amp_fx.passes.honour_autocast_regions
 
 _SKIP = frozenset({"none", "entry", "exit"})
 _CALLS = frozenset({"call_function", "call_method", "call_module"})
-_REGION_KEY = "amp_fx.region"  # the regions a node was painted for (a second run changes nothing)
 
 
 def is_autocast_enter(node: fx.Node) -> bool:
@@ -71,11 +70,11 @@ def _returns_nothing(node: fx.Node) -> bool:
 
 def _model_cast_dtype(node: fx.Node) -> Optional[torch.dtype]:
     """The floating dtype a cast the model wrote produces (``x.half()``, ``x.to(torch.bfloat16)``), if any."""
-    if node.meta.get("amp_fx.decision") != "cast" or node.meta.get("amp_fx.inserted"):
+    if meta.DECISION.get(node) != "cast" or meta.INSERTED.get(node):
         return None
     named = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
-    if node.meta.get("amp_fx.op") in named:
-        return named[node.meta["amp_fx.op"]]
+    if meta.OP.get(node) in named:
+        return named[meta.OP.get(node)]
     dtypes = [a for a in list(node.args[1:]) + list(node.kwargs.values()) if isinstance(a, torch.dtype)]
     return dtypes[0] if len(dtypes) == 1 and dtypes[0].is_floating_point else None
 
@@ -87,20 +86,20 @@ def _repaint(node: fx.Node, regions: tuple[Region, ...], low: torch.dtype, writt
     disabled region (``x.half()``): ops reading them run as written, in
     that dtype, rather than being pinned back to fp32.
     """
-    meta = node.meta
-    decision = meta.get("amp_fx.decision", "follow")
+    m = node.meta
+    decision = m.get(meta.DECISION, "follow")
     autocast = [r for r in regions if r.kind == "autocast"]
     grads = [r for r in regions if r.kind == "grad"]
     reasons = []
     pinned = None
-    computing = not (meta.get("amp_fx.is_tensor") is False and meta.get("amp_fx.is_float") is False) and not _returns_nothing(node)
+    computing = not (meta.is_tensor(node) is False and meta.is_float(node) is False) and not _returns_nothing(node)
     if autocast and not autocast[-1].enabled:
         if _model_cast_dtype(node) in (torch.float16, torch.bfloat16):
             written_low.add(node)
         elif decision != "cast" and computing and any(n in written_low for n in node.all_input_nodes):
             written_low.add(node)
-            meta["amp_fx.decision"] = "follow"
-            meta["amp_fx.reason"] = (f"inside the model's {autocast[-1].describe()} region: runs as written "
+            m[meta.DECISION] = "follow"
+            m[meta.REASON] = (f"inside the model's {autocast[-1].describe()} region: runs as written "
                                      "(the model cast its inputs low itself)")
             autocast = []
             reasons.append("")
@@ -108,23 +107,23 @@ def _repaint(node: fx.Node, regions: tuple[Region, ...], low: torch.dtype, writt
         new_decision, low_dtype, reason = autocast_rule(autocast[-1], decision, low)
         if decision != "cast" and computing:
             if new_decision is not None:
-                meta["amp_fx.decision"] = pinned = new_decision
-                if meta.get("amp_fx.inplace"):
+                m[meta.DECISION] = pinned = new_decision
+                if m.get(meta.INPLACE):
                     reason = f"{reason} (in-place: computed out of place in fp32, written back)"
-                meta["amp_fx.reason"] = reason
+                m[meta.REASON] = reason
             elif low_dtype is not None:
-                meta[LOW_DTYPE_KEY] = low_dtype
-                meta["amp_fx.reason"] = reason
+                m[meta.LOW_DTYPE] = low_dtype
+                m[meta.REASON] = reason
             else:
                 reasons.append(reason)
         else:
             reasons.append(f"inside the model's {autocast[-1].describe()} region")
     reasons += [f"inside the model's {r.describe()} region" for r in grads[-1:]]
     if reasons:
-        meta["amp_fx.reason"] = "; ".join([meta.get("amp_fx.reason", "")] + reasons).strip("; ")
+        m[meta.REASON] = "; ".join([m.get(meta.REASON, "")] + reasons).strip("; ")
     innermost = regions[-1]
-    if not (innermost.kind == "grad" and meta.get("amp_fx.rule") == "unknown"):
-        meta["amp_fx.rule"] = "autocast" if innermost.kind == "autocast" else "grad-mode"
+    if not (innermost.kind == "grad" and m.get(meta.RULE) == "unknown"):
+        m[meta.RULE] = "autocast" if innermost.kind == "autocast" else "grad-mode"
     return pinned
 
 
@@ -135,17 +134,17 @@ def _fp32_only(node: fx.Node, seen: set) -> tuple[bool, bool]:
         if user in seen:
             continue
         seen.add(user)
-        meta = user.meta
-        if meta.get("amp_fx.decision") == "fp32":
-            pinned |= meta.get("amp_fx.rule") == "autocast"
+        m = user.meta
+        if m.get(meta.DECISION) == "fp32":
+            pinned |= m.get(meta.RULE) == "autocast"
         elif _returns_nothing(user):
             continue  # export's dtype assertions read values and compute nothing
-        elif meta.get("amp_fx.decision") == "cast" and _casts_to_fp32(user):
+        elif m.get(meta.DECISION) == "cast" and _casts_to_fp32(user):
             ok, deeper = _fp32_only(user, seen)
             if not ok:
                 return False, False
             pinned |= deeper
-        elif meta.get("amp_fx.decision") == "follow" and meta.get("amp_fx.op") in tables.DATA_MOVEMENT:
+        elif m.get(meta.DECISION) == "follow" and m.get(meta.OP) in tables.DATA_MOVEMENT:
             ok, deeper = _fp32_only(user, seen)
             if not ok:
                 return False, False
@@ -157,7 +156,7 @@ def _fp32_only(node: fx.Node, seen: set) -> tuple[bool, bool]:
 
 def _casts_to_fp32(node: fx.Node) -> bool:
     """A model-written cast to fp32: ``x.float()``, ``x.to(torch.float32)`` or aten ``to``/``_to_copy``."""
-    if node.meta.get("amp_fx.op") == "float":
+    if meta.OP.get(node) == "float":
         return True
     dtypes = [a for a in list(node.args[1:]) + list(node.kwargs.values()) if isinstance(a, torch.dtype)]
     return dtypes == [torch.float32]
@@ -171,14 +170,15 @@ def _mark_fp32_only_weights(graph: fx.Graph) -> int:
     """
     marked = 0
     for node in graph.nodes:
-        if node.op == "get_attr" and node.meta.get("amp_fx.param") and node.meta.get("amp_fx.is_float"):
+        if node.op == "get_attr" and meta.PARAM.get(node) and meta.is_float(node):
             ok, pinned = _fp32_only(node, set())
-            if ok and pinned and not node.meta.get("amp_fx.keep_fp32"):
-                node.meta["amp_fx.keep_fp32"] = True
+            if ok and pinned and not meta.KEEP_FP32.get(node):
+                meta.KEEP_FP32.set(node, True)
                 marked += 1
     return marked
 
 
+@amp_pass(kind="rewrite", requires=("meta", "paint"), invalidates=("dtypes",))
 def honour_autocast_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Paint the nodes of the model's grad-mode and autocast regions and erase the autocast markers."""
     device = ctx.device_for(gm)
@@ -190,22 +190,22 @@ def honour_autocast_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     written_low: set = set()
     for node in graph.nodes:
         role = marker_role(node)
-        if role is not None and node.meta.get("amp_fx.decision") != "none":
-            node.meta.update({"amp_fx.decision": "none", "amp_fx.rule": "autocast" if role[1] == "autocast" else "grad-mode",
-                              "amp_fx.reason": f"the model's {role[1]} region marker ({role[0]})",
-                              "amp_fx.is_tensor": False, "amp_fx.is_float": False})
+        if role is not None and meta.DECISION.get(node) != "none":
+            node.meta.update({meta.DECISION: "none", meta.RULE: "autocast" if role[1] == "autocast" else "grad-mode",
+                              meta.REASON: f"the model's {role[1]} region marker ({role[0]})"})
+            meta.note_value(node, is_tensor=False, is_float=False)
     for node, regions in stacks.items():
         relevant = tuple(r for r in regions if r.kind == "grad" or r.device == device)
         if not relevant or node.op not in _CALLS:
             continue
-        if node.meta.get("amp_fx.decision") in _SKIP or node.meta.get("amp_fx.rule") == "policy":
+        if meta.DECISION.get(node) in _SKIP or meta.RULE.get(node) == "policy":
             continue
-        if node.meta.get(GRAD_READ_KEY):
+        if meta.GRAD_READ.get(node):
             continue  # a read separate_grad_reads wrote in an earlier run: it carries its own paint
         key = tuple(r.describe() for r in relevant)
-        if node.meta.get(_REGION_KEY) == key:
+        if meta.REGION.get(node) == key:
             continue  # painted by an earlier run
-        node.meta[_REGION_KEY] = key
+        meta.REGION.set(node, key)
         painted += 1
         if _repaint(node, relevant, ctx.low, written_low) == "fp32":
             pinned += 1

@@ -1,8 +1,8 @@
 """Rewrite: insert the casts that the precision paint asks for, one per (value, dtype).
 
 Reads ``amp_fx.decision`` (written by ``assign_precision``) and the dtype
-analysis (:mod:`amp_fx.ir.analysis`, which it runs if no answer is stored yet),
-and models no dtype of its own.  For every node, the analysis says which
+analysis (:mod:`amp_fx.ir.analysis`: the pass requires ``"dtypes"``, so the
+pass runner stores it first if it does not hold), and models no dtype of its own.  For every node, the analysis says which
 dtype its floating inputs must arrive in (:func:`~amp_fx.ir.analysis.input_target`);
 a consumer that needs another dtype than its input has gets a cast.  Every
 consumer of the same value and dtype shares that one cast, so a parameter
@@ -26,18 +26,18 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from amp_fx.ir import meta
-from amp_fx.ir.analysis import ValueInfo, analyse, input_target, may_be_float_tensor, promoting_inputs
+from amp_fx.ir import meta, op_properties
+from amp_fx.ir.analysis import ValueInfo, input_target, may_be_float_tensor, promoting_inputs
 from amp_fx.ir.cast_nodes import CastBuilder, cast_source
 from amp_fx.graph_ops.casts import amp_promote, call_with_params
 from amp_fx.errors import UnsupportedConstructError
-from amp_fx.ir.pass_manager import PassContext, PassResult
+from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
 
 __all__ = ["insert_casts"]
 
 
 def _info(node: fx.Node) -> Optional[ValueInfo]:
-    return node.meta.get(meta.VALUE) if isinstance(node, fx.Node) else None
+    return meta.value_of(node)
 
 
 def _castable(node: object) -> bool:
@@ -65,7 +65,7 @@ def _run_leaf_with_cast_params(gm: fx.GraphModule, node: fx.Node, dtype: torch.d
         ValueInfo.of(wrong[name].detach()).write(attr)
         attr.meta.update({meta.PARAM: f"{node.target}.{name}", meta.MODULE_PATH: str(node.target),
                           meta.DECISION: "none", meta.REASON: "parameter", meta.ORIG_DTYPE: wrong[name].dtype})
-        attr.meta[meta.VALUE].fake = None
+        meta.value_of(attr).fake = None
         mapping[name] = builder.cast(attr, dtype)
     with graph.inserting_before(node):
         module_ref = graph.get_attr(str(node.target))
@@ -95,7 +95,7 @@ def _out_of_place(node: fx.Node, builder: CastBuilder, dtype: torch.dtype) -> fx
     copy.meta.update(node.meta)  # the analysis's answer for the in-place op: the destination's dtype
     copy.meta.update({meta.OP: "copy", meta.DECISION: "follow", meta.REASON: "writes the fp32 result back in place", meta.INSERTED: True})
     node.meta[meta.INPLACE] = False
-    node.meta[meta.FLOAT_DTYPE] = dtype  # the out-of-place op computes in ``dtype``
+    meta.note_value(node, float_dtype=dtype)  # the out-of-place op computes in ``dtype``
     return copy
 
 
@@ -115,16 +115,16 @@ def _keep_checks_true(node: fx.Node) -> bool:
     return False
 
 
-# Ops whose result is a view of their first input (getitem only with basic, non-tensor indices).
-_VIEWS = frozenset({"view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "expand", "squeeze",
-                    "unsqueeze", "narrow", "select", "slice", "detach", "alias", "view_as", "split", "chunk", "unbind",
-                    "diagonal", "as_strided", "getitem"})
-
-
 def _viewed_input(node: fx.Node) -> Optional[fx.Node]:
-    """The graph input ``node`` is a view of, if it surely is one."""
+    """The graph input ``node`` is a view of, if it surely is one.
+
+    Not :func:`~amp_fx.ir.analysis.alias_root`: that walks through copies too (``clone``,
+    ``index_select``, casts), which over-approximates safely for cast sharing, but here it would
+    refuse writes that never reach the input.
+    """
     while node.op != "placeholder":
-        if node.op not in ("call_function", "call_method") or node.meta.get(meta.OP) not in _VIEWS or not node.args:
+        viewing = op_properties.of(node.meta.get(meta.OP)).view
+        if node.op not in ("call_function", "call_method") or not viewing or not node.args:
             return None
         if node.meta.get(meta.OP) == "getitem" and node.all_input_nodes[1:]:
             return None  # x[ids]: advanced indexing copies
@@ -159,12 +159,11 @@ def _refuse_input_write(node: fx.Node, ctx: PassContext) -> None:
         construct="in-place write into a graph input", where=where)
 
 
+@amp_pass(kind="rewrite", requires=("meta", "paint", "dtypes"))
 def insert_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Insert casts so that every node sees the dtype its decision asks for."""
     graph = gm.graph
-    if any(meta.VALUE not in n.meta for n in graph.nodes if not n.meta.get(meta.INSERTED)):
-        analyse(gm, ctx)
-    values = {n: n.meta[meta.VALUE] for n in graph.nodes if meta.VALUE in n.meta}
+    values = {n: meta.value_of(n) for n in graph.nodes if meta.value_of(n) is not None}
     builder = CastBuilder(graph)  # casts from an earlier run are reused, so a second run inserts nothing
     low = ctx.low
     promote_helpers = leaf_param_casts = checks_rewritten = 0

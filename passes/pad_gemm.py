@@ -38,29 +38,19 @@ import torch
 import torch.fx as fx
 from torch.fx import Proxy
 
+from amp_fx.ir import meta, op_properties
 from amp_fx.ir.cast_nodes import cast_source, cast_target, is_inserted_cast
-from amp_fx.ir.pass_manager import PassContext, PassResult
-from amp_fx.ir.meta import FLOAT_DTYPE as FLOAT_KEY, VALUE, float_dtype
+from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
+from amp_fx.ir.meta import float_dtype
 
 __all__ = ["pad_gemm", "can_pad", "should_pad", "alignment_for", "padded_size", "find_gemm", "Gemm",
            "pad_cast", "unpad", "MIN_WORK", "MAX_GROWTH", "ASSUMED_ROWS"]
 
-logger = logging.getLogger("amp_fx.passes.pad_gemm")
+logger = logging.getLogger(__name__)  # amp_fx.passes.pad_gemm
 
 MIN_WORK = 1 << 24  # multiply-adds below which padding's extra copies cost more than they gain
 MAX_GROWTH = 1.5  # padded K*N over original K*N above which "auto" does not pad
 ASSUMED_ROWS = 1024  # rows (M) "auto" assumes when the graph does not say
-_PADDED_KEY = "amp_fx.padded"
-
-# op -> names of (activation, weight, bias) arguments, in positional order.
-_ARGS = {
-    "linear": ("input", "weight", "bias"),
-    "matmul": ("input", "other"), "mm": ("input", "mat2"), "bmm": ("input", "mat2"),
-    "addmm": ("input", "mat1", "mat2"), "baddbmm": ("input", "batch1", "batch2"),
-    "conv1d": ("input", "weight", "bias"), "conv2d": ("input", "weight", "bias"),
-    "conv3d": ("input", "weight", "bias"), "convolution": ("input", "weight", "bias"),
-}
-
 
 # --------------------------------------------------------------------------
 # Runtime helpers the rewritten graph calls
@@ -125,7 +115,7 @@ class Gemm:
 
 
 def _shape(value: Any) -> Optional[tuple]:
-    return value.meta.get("amp_fx.shape") if isinstance(value, fx.Node) else None
+    return meta.shape(value)
 
 
 def _arg(node: fx.Node, index: int, name: str) -> Any:
@@ -134,10 +124,10 @@ def _arg(node: fx.Node, index: int, name: str) -> Any:
 
 def find_gemm(node: fx.Node) -> Optional[Gemm]:
     """The :class:`Gemm` view of ``node``, or None when it is no GEMM this pass knows."""
-    op = node.meta.get("amp_fx.op")
-    if op not in _ARGS or node.op not in ("call_function", "call_method"):
+    op = meta.OP.get(node)
+    names = op_properties.of(op).gemm_args  # names of (activation, weight, bias) arguments, in positional order
+    if names is None or node.op not in ("call_function", "call_method"):
         return None
-    names = _ARGS[op]
     values = [_arg(node, i, name) for i, name in enumerate(names)]
     if op in ("addmm", "baddbmm"):
         bias, act, weight = values
@@ -170,7 +160,7 @@ def find_gemm(node: fx.Node) -> Optional[Gemm]:
 def can_pad(gemm: Gemm, low: torch.dtype, alignment: int) -> tuple[bool, str]:
     """Legality: (True, "") when padding ``gemm`` is safe and changes something, else (False, why)."""
     node = gemm.node
-    if node.meta.get(_PADDED_KEY):
+    if meta.PADDED.get(node):
         return False, "already padded"
     if float_dtype(node) != low:
         return False, f"runs in {str(float_dtype(node)).replace('torch.', '')}, not the low dtype"
@@ -208,12 +198,8 @@ def should_pad(gemm: Gemm, mode: Any, on_cuda: bool, alignment: int) -> tuple[bo
 # The rewrite
 # --------------------------------------------------------------------------
 def _annotate(node: fx.Node, like: fx.Node, op: str, shape: Optional[tuple], reason: str) -> None:
-    for key in ("amp_fx.is_tensor", "amp_fx.is_float", "amp_fx.module_path", "amp_fx.module_stack", "amp_fx.source",
-                "stack_trace", "nn_module_stack", FLOAT_KEY):
-        if key in like.meta:
-            node.meta[key] = like.meta[key]
-    node.meta.update({"amp_fx.op": op, "amp_fx.decision": "follow", "amp_fx.reason": reason, "amp_fx.inserted": True,
-                      "amp_fx.shape": shape, "amp_fx.rule": "inserted"})
+    meta.inherit(node, like, float_dtype=float_dtype(like), shape=shape)
+    node.meta.update({meta.OP: op, meta.DECISION: "follow", meta.REASON: reason, meta.INSERTED: True, meta.RULE: "inserted"})
 
 
 def _grown(shape: Optional[tuple], pads: tuple) -> Optional[tuple]:
@@ -246,12 +232,13 @@ class _Padder:
             with self.graph.inserting_before(value):
                 padded = self.graph.call_function(pad_cast, (source, dtype, sizes))
             padded.meta = dict(value.meta)
-            padded.meta.update({"amp_fx.op": "pad_cast", "amp_fx.shape": shape,
-                                "amp_fx.reason": f"{value.meta.get('amp_fx.reason', '')}, padded {_shape(value)} -> {shape}"})
+            meta.note_value(padded, shape=shape, fake=None, has_value=False)  # the cast's fake has the old shape
+            meta.OP.set(padded, "pad_cast")
+            meta.REASON.set(padded, f"{meta.REASON.get(value, '')}, padded {_shape(value)} -> {shape}")
             value.replace_all_uses_with(padded)
             self.graph.erase_node(value)
             self.folded += 1
-        elif value.meta.get("amp_fx.param") or is_inserted_cast(value):
+        elif meta.PARAM.get(value) or is_inserted_cast(value):
             with self.graph.inserting_after(value):
                 padded = self.graph.call_function(pad_cast, (value, None, sizes))
             _annotate(padded, value, "pad_cast", shape, f"inserted: {value.name} padded to {shape} for tensor cores")
@@ -281,16 +268,17 @@ def _rewrite(gemm: Gemm, padder: _Padder, alignment: int) -> tuple[int, int]:
         replace[gemm.bias] = padder.pad(gemm.bias, ((-1, n, gemm.N),))
     node.args = tuple(replace.get(a, a) if isinstance(a, fx.Node) else a for a in node.args)
     node.kwargs = {key: replace.get(v, v) if isinstance(v, fx.Node) else v for key, v in node.kwargs.items()}
-    original = node.meta.get("amp_fx.shape")
-    value = getattr(node.meta.get(VALUE), "fake", None)  # the dtype analysis's fake result: its strides
+    original = _shape(node)
+    value = getattr(meta.value_of(node), "fake", None)  # the dtype analysis's fake result: its strides
     node.meta.pop("val", None)
     node.meta.pop("example_value", None)  # stale: the GEMM now makes the padded shape
-    node.meta[_PADDED_KEY] = {"K": (gemm.K, k), "N": (gemm.N, n)}
+    meta.PADDED.set(node, {"K": (gemm.K, k), "N": (gemm.N, n)})
     grown = ", ".join(f"{name} {old}->{new}" for name, old, new in (("K", gemm.K, k), ("N", gemm.N, n)) if old != new)
-    node.meta["amp_fx.reason"] = f"{node.meta.get('amp_fx.reason', '')}; {grown} padded for tensor cores"
+    meta.REASON.set(node, f"{meta.REASON.get(node, '')}; {grown} padded for tensor cores")
     if n == gemm.N:
         return k, n
-    node.meta["amp_fx.shape"] = _grown(original, ((gemm.n_dims[1], n, gemm.N),))
+    # The GEMM now makes the padded shape: its one record says so (the fake result had the old one).
+    meta.note_value(node, shape=_grown(original, ((gemm.n_dims[1], n, gemm.N),)), fake=None, has_value=False)
     channels_last = isinstance(value, torch.Tensor) and value.dim() == 4 and not value.is_contiguous() \
         and value.is_contiguous(memory_format=torch.channels_last)
     with graph.inserting_after(node):
@@ -302,11 +290,12 @@ def _rewrite(gemm: Gemm, padder: _Padder, alignment: int) -> tuple[int, int]:
 
 def _describe(gemm: Gemm, padded: Optional[tuple], why: str) -> str:
     rows = "?" if gemm.M is None else gemm.M
-    where = f" ({gemm.node.meta.get('amp_fx.module_path')})" if gemm.node.meta.get("amp_fx.module_path") else ""
+    where = f" ({meta.MODULE_PATH.get(gemm.node)})" if meta.MODULE_PATH.get(gemm.node) else ""
     head = f"{gemm.op} {gemm.node.name}{where}: M={rows} K={gemm.K} N={gemm.N}"
     return f"{head} -> K={padded[0]} N={padded[1]}" if padded else f"{head} left alone ({why})"
 
 
+@amp_pass(kind="rewrite", requires=("meta", "paint"))
 def pad_gemm(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Pad the K and N of low-precision GEMMs to ``alignment`` (see module docstring)."""
     mode = ctx.config.pad_gemm
@@ -323,7 +312,7 @@ def pad_gemm(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         padded = _rewrite(gemm, padder, alignment) if profitable else None
         if padded:
             logger.debug("padded %s: K %s->%s, N %s->%s", node.name, gemm.K, padded[0], gemm.N, padded[1])
-        gemms.append({"node": node.name, "op": gemm.op, "module": node.meta.get("amp_fx.module_path", ""),
+        gemms.append({"node": node.name, "op": gemm.op, "module": meta.MODULE_PATH.get(node, ""),
                       "M": gemm.M, "K": gemm.K, "N": gemm.N, "padded": list(padded) if padded else None,
                       "why": "" if padded else why_not})
         lines.append(_describe(gemm, padded, why_not))

@@ -6,7 +6,7 @@ Writes ``node.meta`` keys (names in :mod:`amp_fx.ir.meta`):
 - ``MODULE_PATH`` / ``MODULE_STACK``: enclosing modules, innermost first
 - ``SOURCE``: the user source line that created the node
 - ``PARAM``: the FQN when the node is a parameter or buffer
-- ``IS_TENSOR`` / ``IS_FLOAT`` / ``SHAPE`` / ``ORIG_DTYPE``: a first answer,
+- ``VALUE`` (tensor-ness, floatness, shape) and ``ORIG_DTYPE``: a first answer,
   read off the example values Dynamo or torch.export recorded and off the
   example inputs bound to the graph inputs (floatness and shapes do not
   depend on precision); the dtype analysis (:mod:`amp_fx.ir.analysis`, after the
@@ -27,7 +27,7 @@ from amp_fx.ir import meta
 from amp_fx.ir.analysis import ValueInfo, eval_mode, placeholder_examples
 from amp_fx.ir.meta import example_value
 from amp_fx.ir.op_keys import canonical_op, is_inplace
-from amp_fx.ir.pass_manager import PassContext, PassResult
+from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
 from amp_fx.frontend.tracing import module_stack_of, user_frame
 
 __all__ = ["propagate_meta", "example_value", "eval_mode"]
@@ -48,6 +48,7 @@ def _param_name(node: fx.Node, gm: fx.GraphModule, ctx: PassContext) -> Optional
     return None
 
 
+@amp_pass(kind="analysis", ensures=("meta",))
 def propagate_meta(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Annotate every node (see module docstring); never changes the graph."""
     bound = placeholder_examples(gm, ctx)
@@ -70,14 +71,15 @@ def propagate_meta(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             value = _attr(gm, str(node.target))
         if value is not None and node.op != "output":
             info = ValueInfo.of(value)
-            m[meta.IS_TENSOR], m[meta.IS_FLOAT], m[meta.CONTAINER] = info.is_tensor, info.is_float, info.container
-            if info.shape is not None:
-                m[meta.SHAPE] = info.shape
+            # A first answer; what an earlier analysis said of the dtype stays until the analysis runs again.
+            sizes = {"shape": info.shape} if info.shape is not None else {}
+            meta.note_value(node, is_tensor=info.is_tensor, is_float=info.is_float, container=info.container, **sizes)
             if info.dtype is not None:
-                m[meta.ORIG_DTYPE] = info.dtype
+                meta.ORIG_DTYPE.set(node, info.dtype)
             known += 1
         else:
-            m[meta.IS_TENSOR], m[meta.IS_FLOAT] = (False, False) if node.op == "output" else (None, None)
+            flags = (False, False) if node.op == "output" else (None, None)
+            meta.note_value(node, is_tensor=flags[0], is_float=flags[1])
     return PassResult(gm, False, {"nodes": len(gm.graph.nodes), "with_example_values": known})
 
 

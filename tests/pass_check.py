@@ -55,7 +55,8 @@ def prepare(model: torch.nn.Module, upto: Callable, level: str = "O1", example_i
     config = make_config(level, **options).with_dtype_for(model)
     source = copy.deepcopy(model) if config.cast_params else model
     gm, route = trace_model(source, example_inputs=example_inputs)
-    ctx = PassContext(config=config, policy=Policy.coerce(policy), example_inputs=example_inputs, route=route)
+    # verify: the runner also compares each pass's whole graph and paint before and after (amp_fx/ir/pass_checks.py).
+    ctx = PassContext(config=config, policy=Policy.coerce(policy), example_inputs=example_inputs, route=route, verify=True)
     before = PIPELINE[: PIPELINE.index(upto)]
     if not config.cast_params:
         before = [p for p in before if p is not cast_params]

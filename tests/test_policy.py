@@ -146,3 +146,24 @@ def test_a_regex_that_matches_nothing_or_does_not_compile_is_refused():
         amp_fx.convert(Nested(), "O1", policy={"module_re:dec[": "fp32"})
     with pytest.raises(TypeError, match=r"leaf_modules=\['dec'\]"):
         amp_fx.convert(Nested(), "O1", leaf_modules="dec")
+
+
+@pytest.mark.parametrize("spelling", ["nn.LayerNorm", "torch.nn.LayerNorm", "F.layer_norm", "torch.layer_norm",
+                                      "aten.native_layer_norm.default"])
+def test_an_op_rule_takes_every_spelling_the_cli_resolves(spelling):
+    """``policy={"op:nn.LayerNorm": ...}`` decides the op nn.LayerNorm runs, as ``python -m amp_fx tables --op`` reads it."""
+    from amp_fx.ir.op_keys import op_name_of  # what the CLI resolves the spelling to
+
+    assert op_name_of(spelling) == "layer_norm"
+    gm = amp_fx.convert(zoo.SDPABlock(), "O1", policy={f"op:{spelling}": "low"})
+    assert set(_decisions(gm, "layer_norm").values()) == {"low"}  # fp32 by the tables
+    record = next(r for r in gm.amp_report.nodes if r.op == "layer_norm" and not r.inserted)
+    assert record.rule == "policy" and "'layer_norm'" in record.reason
+
+
+def test_an_op_name_amp_fx_does_not_know_is_kept_as_written():
+    """A user module's or custom Function's own name is its canonical op: no spelling rule rewrites it."""
+    policy = amp_fx.Policy().set_op("pkg.blocks.Attention", "fp32").set_op("RoundST", "low")
+    assert [rule.key for rule in policy.rules] == ["pkg.blocks.Attention", "RoundST"]
+    with pytest.raises(amp_fx.AmpError, match="Did you mean 'softmax'"):
+        amp_fx.convert(Net(), "O1", policy={"op:F.sofmax": "fp32"})

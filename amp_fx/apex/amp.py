@@ -32,7 +32,7 @@ from torch import nn
 from amp_fx.converter.api import convert
 from amp_fx.apex.optimizers import OptimizerRecord, check_ownership, fit_optimizer
 from amp_fx.apex.properties import AmpProperties, build_scalers, resolve_properties
-from amp_fx.errors import AmpError, AmpIndexError, AmpRuntimeError, AmpTypeError, AmpValueError
+from amp_fx.errors import PACKAGE, AmpError, AmpIndexError, AmpRuntimeError, AmpTypeError, AmpValueError
 from amp_fx.converter.graph_module import AmpGraphModule
 from amp_fx.runtime import LossScaler
 from amp_fx.runtime.modules import is_compiled, unwrap_compiled
@@ -42,7 +42,7 @@ __all__ = [
     "loss_scalers", "master_params", "AlreadyInitializedError",
 ]
 
-logger = logging.getLogger("amp_fx.apex.amp")
+logger = logging.getLogger(f"{PACKAGE}.apex.amp")
 
 _STASH = "_amp_fx_stash"  # attribute holding an optimizer's OptimizerRecord (Apex: _amp_stash)
 # Every model and optimizer initialize() saw or returned: a second call on any is refused.
@@ -72,7 +72,7 @@ def _listify(value: Any, kind: type, what: str) -> tuple[list[Any], Optional[typ
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, kind) for v in value):
         return list(value), type(value)
     raise AmpTypeError(
-        f"amp_fx.initialize: {what} must be a {kind.__module__}.{kind.__qualname__} or a non-empty "
+        f"{PACKAGE}.initialize: {what} must be a {kind.__module__}.{kind.__qualname__} or a non-empty "
         f"list of them, got {type(value).__name__}"
     )
 
@@ -105,13 +105,13 @@ def _seen(obj: Any) -> bool:
 def _check_fresh_model(model: nn.Module) -> None:
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         raise AlreadyInitializedError(
-            f"amp_fx.initialize got a model already wrapped in {type(model).__name__}. Initialize the "
+            f"{PACKAGE}.initialize got a model already wrapped in {type(model).__name__}. Initialize the "
             "bare model first, then wrap what it returns: model, optimizer = amp_fx.initialize(model, "
             f"optimizer, opt_level=...); model = {type(model).__name__}(model, ...)."
         )
     if any(type(m).__name__.startswith("FSDP") and hasattr(m, "_get_fsdp_state") for m in model.modules()):
         raise AlreadyInitializedError(  # FSDP2 (fully_shard); see amp_fx.runtime.distributed
-            "amp_fx.initialize got a model sharded by fully_shard. initialize does not support FSDP2, in "
+            f"{PACKAGE}.initialize got a model sharded by fully_shard. initialize does not support FSDP2, in "
             "either order: it converts the model into one graph that never calls the blocks FSDP2 gathers, "
             "and fits an optimizer that fully_shard's new parameters would bypass. Use the GradScaler-style "
             "API in this order: gm = amp_fx.runtime.convert_for_sharding(model, level, blocks=Block); "
@@ -120,7 +120,7 @@ def _check_fresh_model(model: nn.Module) -> None:
         )
     if _seen(model) or (isinstance(model, AmpGraphModule) and hasattr(model, "amp_config")):
         raise AlreadyInitializedError(
-            "amp_fx.initialize was already called on this model (or it is the module initialize/convert "
+            f"{PACKAGE}.initialize was already called on this model (or it is the module initialize/convert "
             "returned). Call initialize once, with all models and optimizers, and keep using what it "
             "returned; to change the level, start again from a fresh fp32 model and optimizer."
         )
@@ -129,7 +129,7 @@ def _check_fresh_model(model: nn.Module) -> None:
 def _check_fresh_optimizer(optimizer: torch.optim.Optimizer) -> None:
     if _seen(optimizer) or hasattr(optimizer, _STASH):
         raise AlreadyInitializedError(
-            "amp_fx.initialize was already called on this optimizer (or it is one initialize returned). "
+            f"{PACKAGE}.initialize was already called on this optimizer (or it is one initialize returned). "
             "Call initialize once, with all models and optimizers, and keep using what it returned."
         )
 
@@ -145,7 +145,7 @@ def _record_of(optimizer: Any) -> OptimizerRecord:
     record = optimizer.__dict__.get(_STASH) if hasattr(optimizer, "__dict__") else None
     if record is None:
         raise AmpRuntimeError(
-            "amp_fx.scale_loss got an optimizer that amp_fx.initialize did not return. Pass the "
+            f"{PACKAGE}.scale_loss got an optimizer that {PACKAGE}.initialize did not return. Pass the "
             "optimizer(s) returned by model, optimizer = amp_fx.initialize(model, optimizer, ...) "
             "(at O2 that is a MasterWeightOptimizer wrapping yours)."
         )
@@ -195,7 +195,7 @@ def initialize(
     opt_list, opt_box = ([], None) if optimizers is None else _listify(
         optimizers, torch.optim.Optimizer, "optimizers")
     if len({id(m) for m in model_list}) != len(model_list) or len({id(o) for o in opt_list}) != len(opt_list):
-        raise AmpValueError("amp_fx.initialize: the same model or optimizer appears twice in the lists")
+        raise AmpValueError(f"{PACKAGE}.initialize: the same model or optimizer appears twice in the lists")
     for model in model_list:
         _check_fresh_model(model)
     for optimizer in opt_list:
@@ -272,11 +272,11 @@ def scale_loss(
     del model  # Apex accepted it; nothing here needs it
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     if not opts:
-        raise AmpValueError("amp_fx.scale_loss needs at least one optimizer")
+        raise AmpValueError(f"{PACKAGE}.scale_loss needs at least one optimizer")
     records = [_record_of(o) for o in opts]
     session = records[0].session
     if any(r.session is not session for r in records):
-        raise AmpRuntimeError("amp_fx.scale_loss: the optimizers come from different amp_fx.initialize calls")
+        raise AmpRuntimeError(f"{PACKAGE}.scale_loss: the optimizers come from different {PACKAGE}.initialize calls")
     if not 0 <= loss_id < len(session.scalers):
         raise AmpIndexError(
             f"loss_id={loss_id}, but amp_fx.initialize set up {len(session.scalers)} loss scaler(s); "
@@ -304,7 +304,7 @@ def scale_loss(
             record.restore_grads()
             record.scaled = False
         raise AmpRuntimeError(
-            "amp_fx.scale_loss: the backward pass inside the block gave no gradient to any parameter of "
+            f"{PACKAGE}.scale_loss: the backward pass inside the block gave no gradient to any parameter of "
             "the optimizer(s) passed; call scaled_loss.backward() inside the block, and pass the "
             "optimizers whose parameters the loss depends on."
         )
@@ -327,7 +327,7 @@ def scale_loss(
 # ------------------------------------------------------------- checkpoints
 def _session() -> _Session:
     if _current is None:
-        raise AmpRuntimeError("amp_fx.initialize has not been called: there are no loss scalers yet")
+        raise AmpRuntimeError(f"{PACKAGE}.initialize has not been called: there are no loss scalers yet")
     return _current
 
 

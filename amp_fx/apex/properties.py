@@ -18,7 +18,7 @@ import torch
 from amp_fx.converter.api import convert
 from amp_fx.ir.config import LEVELS, AmpConfig, make_config, parse_dtype
 from amp_fx.runtime import LossScaler
-from amp_fx.errors import AmpTypeError, AmpValueError, did_you_mean
+from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError, did_you_mean
 
 __all__ = ["AmpProperties", "resolve_properties", "build_scalers", "APEX_PROPERTIES"]
 
@@ -56,7 +56,7 @@ class AmpProperties:
         """One line naming every property, as Apex printed at initialize."""
         kw = ", ".join(f"{k}={v}" for k, v in self.convert_kwargs.items() if v is not None)
         return (
-            f"amp_fx.initialize: opt_level={self.level} master_weights={self.master_weights} "
+            f"{PACKAGE}.initialize: opt_level={self.level} master_weights={self.master_weights} "
             f"loss_scale={self.loss_scale} num_losses={self.num_losses}" + (f" {kw}" if kw else "")
         )
 

@@ -23,7 +23,7 @@ from amp_fx.ir import tables
 from amp_fx.converter.buffer_state import attach_buffer_sources, copy_sharing_buffers
 from amp_fx.ir.config import AmpConfig, make_config
 from amp_fx.ir.devices import device_type_of
-from amp_fx.errors import AlreadyConvertedError, AmpTypeError, AmpValueError, checks_keywords, did_you_mean
+from amp_fx.errors import PACKAGE, AlreadyConvertedError, AmpTypeError, AmpValueError, checks_keywords, did_you_mean
 from amp_fx.converter.graph_module import ROUTE_ATTR, AmpGraphModule, attach_masters, switching_modes
 from amp_fx.ir.op_keys import CAST_OPS, canonical_op
 from amp_fx.converter.live_hooks import RECIPE_ATTR, ConversionRecipe
@@ -39,7 +39,7 @@ __all__ = ["convert"]
 def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise AmpTypeError(
-            f"amp_fx.convert expects a torch.nn.Module, got {type(model).__name__}. "
+            f"{PACKAGE}.convert expects a torch.nn.Module, got {type(model).__name__}. "
             "Wrap a function in an nn.Module whose forward calls it."
         )
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
@@ -151,7 +151,7 @@ def _one_at_a_time(fn: Callable) -> Callable:
 
 
 @_one_at_a_time
-@checks_keywords("amp_fx.convert", kind="conversion option")
+@checks_keywords("convert", kind="conversion option")
 def convert(
     model: nn.Module,
     level: str = "O1",

@@ -43,7 +43,7 @@ from amp_fx.frontend.module_hooks import ORIGINALS_ATTR, bind_sites
 from amp_fx.converter.step_guard import guard_low_parameters
 from amp_fx.frontend.train_flags import FROZEN_ATTR
 from amp_fx.graph_ops.mode_switch import amp_fx_is_switching, switching_modes
-from amp_fx.errors import AmpTypeError, AmpValueError
+from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError
 
 __all__ = ["AmpGraphModule", "AMP_ATTRIBUTES", "FrozenTrainingWarning", "switching_modes"]
 
@@ -339,7 +339,7 @@ class AmpGraphModule(fx.GraphModule):
             raise AmpTypeError(
                 "a module converted on the torch.export route cannot be pickled: torch.export's graph holds "
                 "local functions. Save gm.state_dict() (it loads into the original model, or into a new "
-                "amp_fx.convert() of it), or gm.save_pretrained(path) for a Hugging Face model.")
+                f"{PACKAGE}.convert() of it), or gm.save_pretrained(path) for a Hugging Face model.")
         reduce_fn, reduce_args = super().__reduce__()
         return (_rebuild, (reduce_fn, reduce_args, type(self).__name__))
 

@@ -1,4 +1,10 @@
-"""The pass pipeline a level asks for, shared by ``convert()`` and the compiler backend."""
+"""The pass pipeline a level asks for, shared by ``convert()`` and the compiler backend.
+
+Every pass runs inside the pass runner (:mod:`amp_fx.ir.pass_manager`):
+the level's pipeline, then -- once the report has been read off the graph,
+so that it lists a checkpointed region's nodes as if inline -- the passes of
+:data:`AFTER_REPORT`, which outline those regions.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,6 @@ import torch.fx as fx
 from amp_fx.ir.config import AmpConfig
 from amp_fx.ir.pass_manager import AmpPass, PassContext, run_passes
 from amp_fx.converter.report import ConversionReport, build_report
-from amp_fx.frontend.trace_hooks import finish_trace
 from amp_fx.passes.analyse_dtypes import analyse_dtypes
 from amp_fx.passes.assign_precision import assign_precision
 from amp_fx.passes.cache_weight_casts import cache_weight_casts
@@ -20,10 +25,14 @@ from amp_fx.passes.fuse_precision import fuse_precision
 from amp_fx.passes.honour_autocast_regions import honour_autocast_regions
 from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.minimize_casts import minimize_casts
+from amp_fx.passes.outline_checkpoints import outline_checkpoints
 from amp_fx.passes.pad_gemm import pad_gemm
 from amp_fx.passes.propagate_meta import propagate_meta
 
-__all__ = ["build_pipeline", "rewrite_graph"]
+__all__ = ["build_pipeline", "rewrite_graph", "AFTER_REPORT"]
+
+# Run after the report is read: checkpointed regions move into submodules (the trace's notes go to the report).
+AFTER_REPORT: tuple[AmpPass, ...] = (outline_checkpoints,)
 
 
 def build_pipeline(config: AmpConfig, *, own_params: bool) -> list[AmpPass]:
@@ -57,8 +66,12 @@ def build_pipeline(config: AmpConfig, *, own_params: bool) -> list[AmpPass]:
 
 
 def rewrite_graph(gm: fx.GraphModule, ctx: PassContext, *, own_params: bool, notes: Optional[list[str]] = None) -> tuple[fx.GraphModule, ConversionReport]:
-    """Run the level's pipeline on ``gm`` (in place) and build its report."""
-    gm = run_passes(gm, ctx, build_pipeline(ctx.config, own_params=own_params))
+    """Run the level's pipeline on ``gm`` (in place), build its report, then run :data:`AFTER_REPORT`."""
+    pipeline = build_pipeline(ctx.config, own_params=own_params)
+    gm = run_passes(gm, ctx, pipeline)
     report = build_report(gm, level=ctx.config.level, dtype=ctx.low, route=ctx.route, passes=ctx.stats, notes=notes or [])
-    gm = finish_trace(gm, report)  # checkpointed regions outlined after the report (amp_fx/frontend/trace_hooks.py)
+    # The report's pass table is the pipeline's (build_report copied it); these passes hand the report only notes.
+    gm = run_passes(gm, ctx, AFTER_REPORT, recompile=False, first_index=len(pipeline))
+    for finishing in AFTER_REPORT:
+        report.notes.extend(ctx.stats[finishing.__name__].get("notes", ()))
     return gm, report

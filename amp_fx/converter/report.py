@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from amp_fx.ir.cast_nodes import is_inserted_cast
 from amp_fx.ir.cast_costs import cast_bytes
+from amp_fx.ir import meta
 from amp_fx.ir.meta import float_dtype
 from amp_fx.errors import AmpKeyError, did_you_mean
 
@@ -30,7 +31,7 @@ def _node_dtype(node: fx.Node) -> Optional[str]:
     tensors: integer ids pass through it unchanged.
     """
     name = _dtype_name(float_dtype(node))
-    if name is not None and node.meta.get("amp_fx.is_float") is not True and node.meta.get("amp_fx.inserted"):
+    if name is not None and meta.is_float(node) is not True and meta.INSERTED.get(node):
         return f"{name} if floating"
     return name
 
@@ -162,22 +163,21 @@ def build_report(gm: fx.GraphModule, *, level: str, dtype: torch.dtype, route: s
     """Read the rewritten graph's annotations into a :class:`ConversionReport`."""
     records = []
     for node in gm.graph.nodes:
-        meta = node.meta
-        inserted = bool(meta.get("amp_fx.inserted"))
-        reason = meta.get("amp_fx.reason", "")
-        if inserted and meta.get("amp_fx.weight_cast") and "weight cast" not in reason:
+        inserted = bool(meta.INSERTED.get(node))
+        reason = meta.REASON.get(node, "")
+        if inserted and meta.WEIGHT_CAST.get(node) and "weight cast" not in reason:
             reason = f"{reason} (weight cast)"
         # pad_gemm's padded weight casts are casts too: the padded copy is the cast copy.
-        is_cast = is_inserted_cast(node) or (inserted and meta.get("amp_fx.cast_of") is not None)
+        is_cast = is_inserted_cast(node) or (inserted and meta.CAST_OF.get(node) is not None)
         records.append(NodeRecord(
             name=node.name,
-            op=meta.get("amp_fx.op") if not is_cast else "to",
-            module=meta.get("amp_fx.module_path", ""),
-            decision=meta.get("amp_fx.decision", "none"),
+            op=meta.OP.get(node) if not is_cast else "to",
+            module=meta.MODULE_PATH.get(node, ""),
+            decision=meta.DECISION.get(node, "none"),
             reason=reason,
-            rule=meta.get("amp_fx.rule", "inserted" if inserted else ""),
+            rule=meta.RULE.get(node, "inserted" if inserted else ""),
             dtype=_node_dtype(node),
-            source=meta.get("amp_fx.source"),
+            source=meta.SOURCE.get(node),
             inserted=inserted,
             cast_bytes=cast_bytes(node) if is_cast else None,
         ))

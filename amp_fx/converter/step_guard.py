@@ -64,7 +64,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from amp_fx.graph_ops.master_sync import low_with_grad
-from amp_fx.errors import AmpRuntimeError
+from amp_fx.errors import PACKAGE, AmpRuntimeError
 
 __all__ = ["guard_low_parameters", "register_wrapper_type"]
 
@@ -159,7 +159,7 @@ def _plain_step_error(optimizer: Any, low: list[torch.Tensor]) -> AmpRuntimeErro
     dtype = str(low[0].dtype).replace("torch.", "")
     return AmpRuntimeError(
         f"amp_fx: {kind}.step() would update {name!r}{more} in place, {dtype} copies that "
-        f"amp_fx.convert(model, {level!r}) made of the model's fp32 parameters (the fp32 originals are the "
+        f"{PACKAGE}.convert(model, {level!r}) made of the model's fp32 parameters (the fp32 originals are the "
         f"master weights). Updates below half a {dtype} ulp round away, so the model would silently stop "
         "training, and the masters, which gm.state_dict() saves, would never change. Wrap the optimizer: "
         "opt = amp_fx.MasterWeightOptimizer(opt, gm) (steps the fp32 masters and copies them into gm; opt may "

@@ -27,6 +27,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.fx as fx
 
+from amp_fx.ir import meta
+
 __all__ = ["BODY_OPS", "RegionCall", "region_calls", "convert_bodies", "describe_region_nodes"]
 
 # Higher-order ops whose body runs exactly as written, once per call: safe to convert.
@@ -96,7 +98,7 @@ def _seal_interface(body: fx.GraphModule, inputs: Mapping[str, torch.dtype], out
             continue
         with graph.inserting_after(anchor):
             cast = graph.call_method("to", (placeholder, dtype))
-        cast.meta.update({"amp_fx.inserted": True, "amp_fx.region_seal": "entry"})
+        cast.meta.update({meta.INSERTED: True, meta.REGION_SEAL: "entry"})
         placeholder.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
         anchor = cast
         entries += 1
@@ -109,7 +111,7 @@ def _seal_interface(body: fx.GraphModule, inputs: Mapping[str, torch.dtype], out
             return value
         with graph.inserting_before(output):
             cast = graph.call_method("to", (value, dtype))
-        cast.meta.update({"amp_fx.inserted": True, "amp_fx.region_seal": "exit"})
+        cast.meta.update({meta.INSERTED: True, meta.REGION_SEAL: "exit"})
         exits += 1
         return cast
 

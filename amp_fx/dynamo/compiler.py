@@ -19,6 +19,7 @@ from amp_fx.dynamo.bodies import convert_bodies, describe_region_nodes
 from amp_fx.dynamo.graph import placeholder_params, relative_module_stacks
 from amp_fx.dynamo import watch
 from amp_fx.dynamo.report import CompiledReport, publish
+from amp_fx.ir import meta
 from amp_fx.ir.config import AmpConfig, make_config
 from amp_fx.ir.devices import device_type_of
 from amp_fx.graph_ops.outer_autocast import call_without_outer_autocast, no_outer_autocast
@@ -31,7 +32,7 @@ from amp_fx.frontend.tracing import user_frame
 __all__ = ["AmpBackend"]
 
 # The logger keeps the name it had when this code lived in amp_fx.dynamo.backend (logging settings name it).
-logger = logging.getLogger("amp_fx.dynamo.backend")
+logger = logging.getLogger(f"{__package__}.backend")  # amp_fx.dynamo.backend
 
 _PARAM_LEVELS = ("O2", "O3")
 # backend()'s own keywords; every other option is an AmpConfig field (make_config's overrides).
@@ -126,7 +127,7 @@ def _refresh_example_values(gm: fx.GraphModule) -> None:
 
 def _graph_name(gm: fx.GraphModule) -> str:
     for node in gm.graph.nodes:
-        if node.op.startswith("call") and not node.meta.get("amp_fx.inserted"):
+        if node.op.startswith("call") and not meta.INSERTED.get(node):
             where = user_frame(node.meta.get("stack_trace"))
             if where:
                 return where

@@ -37,6 +37,7 @@ import weakref
 from types import CodeType
 from typing import Any, Callable, Optional
 
+from amp_fx.errors import PACKAGE
 import torch
 import torch.nn as nn
 
@@ -45,7 +46,7 @@ from amp_fx.dynamo.report import FIXES, DynamoBreak, publish
 __all__ = ["NothingConvertedWarning", "Watches", "ensure_watching", "set_resolver", "graph_converted",
            "summarise_reason"]
 
-logger = logging.getLogger("amp_fx.dynamo.watch")
+logger = logging.getLogger(__name__)  # amp_fx.dynamo.watch
 
 _CHAINED = "*** While handling this graph break, another graph break occurred: ***"
 _NOISE = ("earlier graph break", "report an issue to PyTorch")
@@ -333,7 +334,7 @@ def _message(backend: Any, watch: _Watch) -> str:
     if watch.graphs:
         lines.append("If this code has no matrix multiply or convolution, there was nothing to convert: "
                      "warnings.filterwarnings('ignore', category=amp_fx.NothingConvertedWarning) silences this.")
-    lines.append("amp_fx.last_report() says the same.")
+    lines.append(f"{PACKAGE}.last_report() says the same.")
     return "\n".join(lines)
 
 

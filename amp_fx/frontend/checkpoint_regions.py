@@ -5,10 +5,11 @@ inlined and its memory saving is gone.  amp_fx keeps it in two steps:
 
 1. While tracing, :func:`record_checkpoints` intercepts each checkpoint call
    on traced values, traces ``fn`` inline and tags every node it made with
-   ``node.meta["amp_fx.checkpoint"]`` (a region number; nested regions merge
+   ``meta.CHECKPOINT`` (a region number; nested regions merge
    into the outermost) and the call's options.
 2. After the whole pipeline has run on the inlined graph (one dtype analysis,
-   the same casts as without checkpointing), :func:`keep_checkpoints` moves
+   the same casts as without checkpointing) and the report has been read,
+   the last pass (``passes/outline_checkpoints.py``) runs :func:`keep_checkpoints`, which moves
    each region -- with the casts that only it reads, parameter casts
    included -- into a submodule that calls ``torch.utils.checkpoint.checkpoint``
    on it.  Backward recomputes the region, casts and all, and the result is
@@ -32,11 +33,11 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_leaves
 
 from amp_fx.frontend.source_lines import current_user_line
+from amp_fx.ir import meta
 
 __all__ = ["record_checkpoints", "keep_checkpoints", "CheckpointedRegion", "REGION_KEY"]
 
-REGION_KEY = "amp_fx.checkpoint"
-OPTIONS_KEY = "amp_fx.checkpoint_options"
+REGION_KEY = meta.CHECKPOINT  # kept importable from here
 _ACTIVE = threading.local()
 _COUNTER = itertools.count()
 # checkpoint()'s own keywords; any other keyword goes to the checkpointed function.
@@ -80,8 +81,8 @@ def _trace_region(function: Any, args: tuple, kwargs: dict, tracer: fx.Tracer) -
     while node is not graph._root:
         if node.op not in ("placeholder", "output"):
             # An enclosing region re-tags these later: nested regions merge into the outermost.
-            node.meta[REGION_KEY] = region
-            node.meta[OPTIONS_KEY] = (options, source)
+            meta.CHECKPOINT.set(node, region)
+            meta.CHECKPOINT_OPTIONS.set(node, (options, source))
         node = node.next
     return out
 
@@ -128,7 +129,7 @@ def record_checkpoints(tracer: fx.Tracer) -> Iterator[None]:
 
 def _is_pure_helper(node: fx.Node) -> bool:
     """Nodes amp_fx inserted (casts, promotes): pure, cheap, safe to recompute inside a region."""
-    return bool(node.meta.get("amp_fx.inserted")) or node.meta.get("amp_fx.decision") == "cast"
+    return bool(meta.INSERTED.get(node)) or meta.DECISION.get(node) == "cast"
 
 
 def _grow(gm: fx.GraphModule, members: dict[fx.Node, int], region: int) -> None:
@@ -187,13 +188,13 @@ def _outline(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> fx.Node:
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
     body.output(tuple(env[n] for n in outputs) if len(outputs) != 1 else env[outputs[0]])
     body.lint()
-    options, source = next((n.meta[OPTIONS_KEY] for n in nodes if OPTIONS_KEY in n.meta), ({}, None))
+    options, source = next((meta.CHECKPOINT_OPTIONS.get(n) for n in nodes if meta.CHECKPOINT_OPTIONS.on(n)), ({}, None))
     region = CheckpointedRegion(fx.GraphModule(gm, body, "CheckpointedBody"), options, source)
     gm.add_submodule(name, region)
     with gm.graph.inserting_after(nodes[-1]):
         call = gm.graph.call_module(name, tuple(inputs))
-    call.meta.update({"amp_fx.op": "checkpoint", "amp_fx.decision": "follow", "amp_fx.rule": "model",
-                      "amp_fx.reason": f"checkpointed region ({len(nodes)} nodes, casts included)"})
+    call.meta.update({meta.OP: "checkpoint", meta.DECISION: "follow", meta.RULE: "model",
+                      meta.REASON: f"checkpointed region ({len(nodes)} nodes, casts included)"})
     with gm.graph.inserting_after(call):
         for index, node in enumerate(outputs):
             value = call
@@ -233,11 +234,15 @@ def _restore_order(graph: fx.Graph) -> None:
                     released = True
 
 
-def keep_checkpoints(gm: fx.GraphModule, report: Any = None) -> fx.GraphModule:
-    """Outline every tagged checkpoint region of ``gm`` (in place) into a checkpointed submodule; note each in ``report``."""
+def keep_checkpoints(gm: fx.GraphModule, notes: Optional[list[str]] = None) -> fx.GraphModule:
+    """Outline every tagged checkpoint region of ``gm`` (in place) into a checkpointed submodule; add a note on each to ``notes``.
+
+    Run by ``passes/outline_checkpoints.py`` inside the pass runner, which
+    lints and recompiles the graph after it.
+    """
     members: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
-        region = node.meta.get(REGION_KEY)
+        region = meta.CHECKPOINT.get(node)
         if region is not None and node.op not in ("placeholder", "get_attr", "output"):
             members[node] = region
     regions = sorted(set(members.values()))
@@ -249,11 +254,9 @@ def keep_checkpoints(gm: fx.GraphModule, report: Any = None) -> fx.GraphModule:
         nodes = [n for n in gm.graph.nodes if members.get(n) == region]
         call = _outline(gm, nodes, f"amp_fx_checkpoint_{index}")
         _restore_order(gm.graph)
-        if report is not None:
+        if notes is not None:
             where = call.graph.owning_module.get_submodule(str(call.target)).source or "unknown source line"
-            report.notes.append(
+            notes.append(
                 f"checkpointed region kept ({len(nodes)} nodes, casts included; recomputed in backward) from {where}"
             )
-    gm.graph.lint()
-    gm.recompile()
     return gm

@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from amp_fx.errors import UnsupportedConstructError
+from amp_fx.ir import meta
 from amp_fx.frontend.opaque_calls import FunctionCall
 
 __all__ = ["declared_precision", "policy_target", "custom_fwd_cast", "autocast_rule_dtype"]
@@ -95,8 +96,8 @@ def _cast_decision(what: str, dtype: torch.dtype, ctx: Any, node: fx.Node) -> De
     low = str(ctx.low).replace("torch.", "")
     raise UnsupportedConstructError(
         f"{what} asks for {name} inputs, but this conversion's low dtype is {low} and amp_fx runs one low "
-        f"dtype per graph (node {node.name!r}, at {node.meta.get('amp_fx.source') or 'unknown source line'}).\n"
-        f"Convert with dtype=torch.{name}, or decide the op yourself with policy={{'op:{node.meta.get('amp_fx.op')}': "
+        f"dtype per graph (node {node.name!r}, at {meta.SOURCE.get(node) or 'unknown source line'}).\n"
+        f"Convert with dtype=torch.{name}, or decide the op yourself with policy={{'op:{meta.OP.get(node)}': "
         "'fp32' | 'low' | 'follow'}.",
         construct=what,
     )

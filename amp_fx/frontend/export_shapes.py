@@ -26,7 +26,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.fx as fx
 
-from amp_fx.errors import AmpValueError
+from amp_fx.errors import PACKAGE, AmpValueError
 
 __all__ = ["explain_guard_failures", "refuse_constraint_violation", "requested_dims", "declared_dims", "static_size"]
 
@@ -54,7 +54,7 @@ def _static_sizes(value: Any) -> Optional[tuple[Optional[int], ...]]:
 
 def _why_and_fix(name: str, dim: int, size: int, got: int, requested: set[tuple[str, int]]) -> str:
     """Why export kept ``name.shape[dim]`` at ``size``, and what to do for a call with ``got`` there."""
-    vary = (f"amp_fx.convert(..., dynamic_shapes={{{name!r}: {{{dim}: torch.export.Dim.AUTO}}, ...}}) "
+    vary = (f"{PACKAGE}.convert(..., dynamic_shapes={{{name!r}: {{{dim}: torch.export.Dim.AUTO}}, ...}}) "
             "(list the other inputs' dynamic dimensions too)")
     if (name, dim) not in requested:
         return (f"the conversion did not declare it dynamic (dynamic_shapes=False, or a spec without it).\n"

@@ -26,12 +26,13 @@ from torch.utils import _pytree as pytree
 from amp_fx.graph_ops import hook_dispatch
 from amp_fx.frontend.hook_structure import check_replacement, join, per_slot, slots_of
 from amp_fx.graph_ops.hook_dispatch import has_user_hooks
+from amp_fx.ir.op_properties import HOOK_BOUNDARY_OPS, HOOK_VALUE_OP
 
 __all__ = ["HookSite", "HookBoundary", "module_hook_value", "boundary_named", "BOUNDARY_OPS", "VALUE_OP", "HOME"]
 
-HOME = "amp_fx.frontend.module_hooks"  # the module fx names for every target here (see the module doc)
-BOUNDARY_OPS = frozenset({"module_hook_enter", "module_hook_exit"})
-VALUE_OP = "module_hook_value"
+HOME = f"{__package__}.module_hooks"  # amp_fx.frontend.module_hooks: the module fx names for every target here (see the module doc)
+BOUNDARY_OPS = HOOK_BOUNDARY_OPS  # the boundaries' op names, as the op registry knows them (enter, exit)
+VALUE_OP = HOOK_VALUE_OP
 _PREFIX = "hook_"
 _SITES: "weakref.WeakValueDictionary[str, HookSite]" = weakref.WeakValueDictionary()
 

@@ -346,9 +346,7 @@ def recording(tracer: Any) -> Iterator[None]:
 # --------------------------------------------------------------------------
 # One read per grad mode
 # --------------------------------------------------------------------------
-GRAD_READ_KEY = "amp_fx.grad_read"  # a read made by separate_grad_reads
-_COPIED = ("amp_fx.is_tensor", "amp_fx.is_float", "amp_fx.orig_dtype", "amp_fx.shape", "amp_fx.module_path",
-           "amp_fx.module_stack", "amp_fx.source", "stack_trace", "nn_module_stack", "val", "example_value")
+GRAD_READ_KEY = meta.GRAD_READ  # a read made by separate_grad_reads
 
 
 def _grad_key(regions: tuple[Region, ...]) -> tuple[int, ...]:
@@ -370,12 +368,12 @@ def separate_grad_reads(graph: fx.Graph) -> int:
     stacks = region_stacks(graph)
     added = 0
     for value in list(graph.nodes):
-        if value.op not in ("placeholder", "get_attr") or value.meta.get("amp_fx.is_tensor") is not True:
+        if value.op not in ("placeholder", "get_attr") or meta.is_tensor(value) is not True:
             continue
         home = _grad_key(stacks.get(value, ()))
         groups: dict[tuple[int, ...], list[fx.Node]] = {}
         for user in value.users:
-            if user in stacks and not user.meta.get(GRAD_READ_KEY):
+            if user in stacks and not meta.GRAD_READ.get(user):
                 groups.setdefault(_grad_key(stacks[user]), []).append(user)
         for key, users in groups.items():
             if key == home:
@@ -383,11 +381,11 @@ def separate_grad_reads(graph: fx.Graph) -> int:
             first = min(users)
             with graph.inserting_before(first):
                 read = graph.call_method("view_as", (value, value))
-            read.meta.update({k: value.meta[k] for k in _COPIED if k in value.meta})
+            meta.inherit(read, value, same_value=True)  # the very tensor: its dtype is the analysis's to tell
             read.meta.update({
-                "amp_fx.op": "view_as", "amp_fx.inplace": False, "amp_fx.decision": "follow", "amp_fx.rule": "grad-mode",
-                "amp_fx.reason": f"its own read of {value.name} in this grad mode (a cast is never shared across grad modes)",
-                GRAD_READ_KEY: True,
+                meta.OP: "view_as", meta.INPLACE: False, meta.DECISION: "follow", meta.RULE: "grad-mode",
+                meta.REASON: f"its own read of {value.name} in this grad mode (a cast is never shared across grad modes)",
+                meta.GRAD_READ: True,
             })
             for user in users:
                 user.replace_input_with(value, read)

@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from amp_fx.errors import PACKAGE
+
 __all__ = ["current_user_line", "is_library_file", "innermost_user_frame", "is_user_file"]
 
 _STDLIB_DIR = os.path.dirname(os.__file__)
@@ -22,7 +24,7 @@ def _library_dirs() -> tuple[str, ...]:
 
     # Located, not imported: the frontend sits below the passes (docs/design.md's layers).
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    passes = os.path.dirname(importlib.util.find_spec("amp_fx.passes").origin)
+    passes = os.path.dirname(importlib.util.find_spec(f"{PACKAGE}.passes").origin)
     return (os.path.dirname(torch.__file__), package, passes)
 
 

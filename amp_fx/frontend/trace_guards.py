@@ -36,10 +36,11 @@ import torch.nn as nn
 
 from amp_fx.errors import UnsupportedConstructError
 from amp_fx.frontend.source_lines import current_user_line, is_user_file
+from amp_fx.ir import meta
 
 __all__ = ["refuse_state_changes", "watch_context_managers", "NOTES_KEY", "HARMLESS_CONTEXT_MANAGERS"]
 
-NOTES_KEY = "amp_fx.trace_notes"
+NOTES_KEY = meta.TRACE_NOTES  # the output node's notes for the report
 _ACTIVE = threading.local()
 _ROUTES = (
     "Routes that keep it: torch.compile(model, backend='amp_fx') (Dynamo captures it and converts the graphs it "

@@ -12,15 +12,15 @@ and :mod:`amp_fx.frontend.trace_guards`.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch.fx as fx
 
-from amp_fx.frontend.checkpoint_regions import keep_checkpoints, record_checkpoints
+from amp_fx.frontend.checkpoint_regions import record_checkpoints
 from amp_fx.frontend.opaque_calls import record_function_calls
 from amp_fx.frontend.trace_guards import NOTES_KEY, refuse_state_changes, watch_context_managers
 
-__all__ = ["front_end_hooks", "finish_trace"]
+__all__ = ["front_end_hooks", "take_trace_notes"]
 
 
 @contextlib.contextmanager
@@ -34,14 +34,11 @@ def front_end_hooks(tracer: fx.Tracer) -> Iterator[None]:
         yield
 
 
-def finish_trace(gm: fx.GraphModule, report: Any = None) -> fx.GraphModule:
-    """After the pipeline: move checkpointed regions into checkpointed submodules and add the trace's notes to ``report``.
+def take_trace_notes(gm: fx.GraphModule) -> list[str]:
+    """Remove and return the notes the trace left on the output node for the report (what it fixed or let through).
 
-    Runs after the report is built, so the report lists every node of a
-    region as if it were inline (the same decisions and casts).
+    Taken by the last pass (``passes/outline_checkpoints.py``), which also
+    outlines the checkpointed regions, after the report has been read.
     """
     output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
-    notes = output.meta.pop(NOTES_KEY, []) if output is not None else []
-    if report is not None:
-        report.notes.extend(notes)
-    return keep_checkpoints(gm, report)
+    return list(output.meta.pop(NOTES_KEY, [])) if output is not None else []

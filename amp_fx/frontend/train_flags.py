@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.fx.proxy import Proxy
 
 from amp_fx.frontend.source_lines import innermost_user_frame
+from amp_fx.ir import meta
 
 __all__ = ["TrainingReads", "FROZEN_ATTR"]
 
@@ -70,7 +71,7 @@ class TrainingReads:
             if not isinstance(flag, bool):
                 continue
             node = tracer.create_node("get_attr", f"{path}.training" if path else "training", (), {})
-            node.meta["amp_fx.training_flag"] = path
+            meta.TRAINING_FLAG.set(node, path)
             node.meta.pop("stack_trace", None)  # made before forward runs: no user line to point at
             self.nodes.append(node)
             self.saved.append((module, flag))

@@ -39,7 +39,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.node import map_arg
 
-from amp_fx.ir import tables
+from amp_fx.ir import meta, tables
 from amp_fx.converter.api import convert
 from amp_fx.converter.graph_module import AmpGraphModule
 from amp_fx.inspection.find_overflow import (
@@ -47,7 +47,7 @@ from amp_fx.inspection.find_overflow import (
 )
 from amp_fx.ir.policy import Policy
 from amp_fx.passes.propagate_meta import eval_mode
-from amp_fx.errors import AmpValueError, unknown_options_error
+from amp_fx.errors import PACKAGE, AmpValueError, unknown_options_error
 
 __all__ = ["calibrate", "CalibrationResult", "Finding"]
 
@@ -124,8 +124,8 @@ def _relative_error(low: Any, ref: Any) -> float:
 
 
 def _measures_error(node: fx.Node, low: Any) -> bool:
-    return (not node.meta.get("amp_fx.inserted") and node.meta.get("amp_fx.decision") in ("low", "follow", "promote")
-            and node.meta.get("amp_fx.op") not in tables.DATA_MOVEMENT and value_dtype(low) in LOW_DTYPES)
+    return (not meta.INSERTED.get(node) and meta.DECISION.get(node) in ("low", "follow", "promote")
+            and meta.OP.get(node) not in tables.DATA_MOVEMENT and value_dtype(low) in LOW_DTYPES)
 
 
 def _local_error(run: TwinRun, node: fx.Node, twin: Any) -> float:
@@ -158,7 +158,7 @@ def _measure(gm: fx.GraphModule, batches: list[tuple]) -> dict[str, _Stats]:
 
 
 def _finding(node: fx.Node, kind: str, value: float, threshold: float, detail: str) -> Finding:
-    return Finding(node.name, node.meta.get("amp_fx.op"), node.meta.get("amp_fx.module_path") or "", kind, value, threshold, detail)
+    return Finding(node.name, meta.OP.get(node), meta.MODULE_PATH.get(node) or "", kind, value, threshold, detail)
 
 
 def _flag(gm: fx.GraphModule, stats: dict[str, _Stats], *, range_fraction: float, error_factor: float,
@@ -178,7 +178,7 @@ def _flag(gm: fx.GraphModule, stats: dict[str, _Stats], *, range_fraction: float
             continue
         s = stats[node.name]
         for target in pin_targets(node):
-            if target.name in done or target.name in found or target.meta.get("amp_fx.decision") == "fp32":
+            if target.name in done or target.name in found or meta.DECISION.get(target) == "fp32":
                 continue
             where = "" if target is node else f" (its input {node.name}, cast to {name})"
             if s.max_abs >= limit:
@@ -208,7 +208,7 @@ def _pin_rounding_inputs(node: fx.Node, stats: dict[str, _Stats], found: dict[st
     while pending:
         source = pending.pop()
         s = stats.get(source.name)
-        if (source.meta.get("amp_fx.inserted") or source.meta.get("amp_fx.decision") not in ("follow", "promote")
+        if (meta.INSERTED.get(source) or meta.DECISION.get(source) not in ("follow", "promote")
                 or s is None or not s.low or source.name in found or source.name in done):
             continue
         detail = f"feeds {node.name} (relative error {error:.3g} against fp32, above {bar:.3g}) a low-precision value"
@@ -218,19 +218,19 @@ def _pin_rounding_inputs(node: fx.Node, stats: dict[str, _Stats], found: dict[st
 
 def _covers(key: str, node: fx.Node) -> bool:
     rule = Policy.from_dict({key: "fp32"})
-    return rule.decide(node.meta.get("amp_fx.op"), node.target, node.meta.get("amp_fx.module_stack") or []) is not None
+    return rule.decide(meta.OP.get(node), node.target, meta.MODULE_STACK.get(node) or []) is not None
 
 
 def _choose_rule(gm: fx.GraphModule, target: fx.Node, flagged: set[str]) -> dict[str, str]:
     """The policy rule covering ``target`` that pins the fewest other ops (compute ops count before data movement)."""
-    stack = target.meta.get("amp_fx.module_stack") or []
-    candidates = [f"module:{path}" for path, _ in stack if path] + [f"op:{target.meta.get('amp_fx.op') or target.target}"]
-    others = [n for n in gm.graph.nodes if n.op in _CALLS and not n.meta.get("amp_fx.inserted")
-              and n.name not in flagged and n.meta.get("amp_fx.decision") not in ("fp32", "cast")]
+    stack = meta.MODULE_STACK.get(target) or []
+    candidates = [f"module:{path}" for path, _ in stack if path] + [f"op:{meta.OP.get(target) or target.target}"]
+    others = [n for n in gm.graph.nodes if n.op in _CALLS and not meta.INSERTED.get(n)
+              and n.name not in flagged and meta.DECISION.get(n) not in ("fp32", "cast")]
     best, best_cost = candidates[0], None
     for key in candidates:
         extra = [n for n in others if _covers(key, n)]
-        cost = (sum(1 for n in extra if n.meta.get("amp_fx.op") not in tables.DATA_MOVEMENT), len(extra))
+        cost = (sum(1 for n in extra if meta.OP.get(n) not in tables.DATA_MOVEMENT), len(extra))
         if best_cost is None or cost < best_cost:
             best, best_cost = key, cost
     return {best: "fp32"}
@@ -248,7 +248,7 @@ def _check_convert_keywords(convert_kwargs: dict) -> None:
     taken = set(inspect.signature(convert).parameters) - {"model", "level"}
     unknown = set(convert_kwargs) - taken - set(own)
     if unknown:
-        raise unknown_options_error(unknown, [*own, *sorted(taken - set(own))], "amp_fx.calibrate")
+        raise unknown_options_error(unknown, [*own, *sorted(taken - set(own))], f"{PACKAGE}.calibrate")
 
 
 def calibrate(
@@ -324,10 +324,10 @@ def calibrate(
 
 def _annotate(gm: AmpGraphModule, plain: AmpGraphModule, result: CalibrationResult) -> None:
     """Write the measurement into the reason of every node calibration moved to fp32."""
-    before = {n.name: n.meta.get("amp_fx.decision") for n in plain.graph.nodes if not n.meta.get("amp_fx.inserted")}
+    before = {n.name: meta.DECISION.get(n) for n in plain.graph.nodes if not meta.INSERTED.get(n)}
     by_node = {f.node: f for f in result.findings}
     for node in gm.graph.nodes:
-        if node.meta.get("amp_fx.inserted") or node.meta.get("amp_fx.decision") != "fp32" or before.get(node.name) in (None, "fp32"):
+        if meta.INSERTED.get(node) or meta.DECISION.get(node) != "fp32" or before.get(node.name) in (None, "fp32"):
             continue
         finding = by_node.get(node.name)
         rule = next((key for key in result.policy if _covers(key, node)), None)
@@ -339,8 +339,8 @@ def _annotate(gm: AmpGraphModule, plain: AmpGraphModule, result: CalibrationResu
             owner = next((f.node for f in result.findings if rule in f.rule), "?")
             result.collateral[node.name] = owner
             reason = f"calibration: pinned with {owner} by {rule!r} (policy rules pin whole modules or ops)"
-        node.meta["amp_fx.reason"] = reason
-        node.meta["amp_fx.rule"] = "calibration"
+        meta.REASON.set(node, reason)
+        meta.RULE.set(node, "calibration")
         record = gm.amp_report.node(node.name)
         record.reason, record.rule = reason, "calibration"
     moved = result.moved

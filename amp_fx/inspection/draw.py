@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from amp_fx.ir.cast_costs import cast_bytes
+from amp_fx.ir import meta
 from amp_fx.ir.meta import float_dtype
 from amp_fx.errors import AmpRuntimeError, AmpTypeError, AmpValueError
 
@@ -43,7 +44,7 @@ _BOX_W, _BOX_H, _GAP_X, _GAP_Y, _MARGIN = 172, 58, 18, 34, 16
 
 def category(node: fx.Node) -> str:
     """The colour class of ``node``: low, fp32, cast, follow, or io (inputs, parameters, output)."""
-    decision = node.meta.get("amp_fx.decision", "none")
+    decision = meta.DECISION.get(node, "none")
     if decision == "cast":
         return "cast"
     if decision in ("low", "fp32"):
@@ -67,15 +68,15 @@ def _dtype(node: fx.Node) -> str:
 
 
 def _label(node: fx.Node) -> list[str]:
-    op = node.meta.get("amp_fx.op") or (node.op if node.op in ("placeholder", "output") else str(node.target))
-    shape = node.meta.get("amp_fx.shape")
+    op = meta.OP.get(node) or (node.op if node.op in ("placeholder", "output") else str(node.target))
+    shape = meta.shape(node)
     shape_text = "x".join(str(s) for s in shape) if shape else ""
-    return [f"{node.name}: {op}", node.meta.get("amp_fx.module_path") or "", f"{_dtype(node)} {shape_text}".strip()]
+    return [f"{node.name}: {op}", meta.MODULE_PATH.get(node) or "", f"{_dtype(node)} {shape_text}".strip()]
 
 
 def _tooltip(node: fx.Node) -> str:
-    parts = [f"{node.name}: {node.meta.get('amp_fx.decision', 'none')} - {node.meta.get('amp_fx.reason', '')}"]
-    source = node.meta.get("amp_fx.source")
+    parts = [f"{node.name}: {meta.DECISION.get(node, 'none')} - {meta.REASON.get(node, '')}"]
+    source = meta.SOURCE.get(node)
     if source:
         # File name only: pictures get shared, local directory names need not be.
         path, sep, rest = str(source).partition(":")
@@ -84,7 +85,7 @@ def _tooltip(node: fx.Node) -> str:
 
 
 def _edge_label(node: fx.Node) -> str:
-    size = cast_bytes(node) if node.meta.get("amp_fx.inserted") and node.meta.get("amp_fx.decision") == "cast" else None
+    size = cast_bytes(node) if meta.INSERTED.get(node) and meta.DECISION.get(node) == "cast" else None
     if not size:
         return ""
     return f"{size} B" if size < 1024 else f"{size / 1024:.1f} KB" if size < 1024 ** 2 else f"{size / 1024 ** 2:.1f} MB"
@@ -101,7 +102,7 @@ def dot_source(converted: fx.GraphModule) -> str:
              '  edge [fontname="Helvetica", fontsize=8, color="#777777"];']
     by_module: dict[str, list[fx.Node]] = {}
     for node in converted.graph.nodes:
-        by_module.setdefault(node.meta.get("amp_fx.module_path") or "", []).append(node)
+        by_module.setdefault(meta.MODULE_PATH.get(node) or "", []).append(node)
 
     def emit(node: fx.Node, indent: str) -> None:
         fill = COLOURS[category(node)][0]

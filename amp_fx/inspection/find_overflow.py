@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
+from amp_fx.ir import meta
 from amp_fx.ir.cast_nodes import cast_target, is_inserted_cast
 from amp_fx.graph_ops.outer_autocast import no_outer_autocast
 from amp_fx.errors import AmpTypeError, AmpValueError, checks_keywords
@@ -79,7 +80,7 @@ def plain_containers(value: Any) -> Any:
 
 def _writes_inplace(node: fx.Node) -> bool:
     target = str(node.target)
-    return bool(node.meta.get("amp_fx.inplace")) or node.kwargs.get("inplace") is True or (
+    return bool(meta.INPLACE.get(node)) or node.kwargs.get("inplace") is True or (
         node.op == "call_method" and target.endswith("_") and not target.endswith("__"))
 
 
@@ -208,7 +209,7 @@ class TwinRun:
 
 
 def _require_converted(gm: Any) -> None:
-    if not isinstance(gm, fx.GraphModule) or not any("amp_fx.decision" in n.meta for n in gm.graph.nodes):
+    if not isinstance(gm, fx.GraphModule) or not any(meta.DECISION.on(n) for n in gm.graph.nodes):
         raise AmpTypeError(
             f"expected the module amp_fx.convert returned (a GraphModule with amp_fx annotations), got {type(gm).__name__}. "
             "Convert the model first: converted = amp_fx.convert(model, 'O1', dtype=torch.float16)."
@@ -218,17 +219,17 @@ def _require_converted(gm: Any) -> None:
 # -- the report -----------------------------------------------------------------
 def pin_override(node: fx.Node) -> dict[str, str]:
     """The policy entry that pins ``node`` to fp32: its innermost module, else its op."""
-    module = node.meta.get("amp_fx.module_path") or ""
+    module = meta.MODULE_PATH.get(node) or ""
     if module:
         return {f"module:{module}": "fp32"}
-    op = node.meta.get("amp_fx.op") or str(node.target)
+    op = meta.OP.get(node) or str(node.target)
     return {f"op:{op}": "fp32"}
 
 
 def pin_targets(node: fx.Node) -> list[fx.Node]:
     """The nodes to pin when ``node`` overflowed: a cast's consumers (they asked for low), else the node."""
     if is_inserted_cast(node):
-        users = [u for u in node.users if u.op in _CALLS and not u.meta.get("amp_fx.inserted")]
+        users = [u for u in node.users if u.op in _CALLS and not meta.INSERTED.get(u)]
         return users or [node]
     return [node]
 
@@ -289,9 +290,9 @@ def _report(phase: str, node: fx.Node, low: Any, twin: Any, gradient_of: Optiona
     if loss_scale is not None and dtype is not None and biggest > 0:
         safe = 2.0 ** math.floor(math.log2(loss_scale * float(torch.finfo(dtype).max) / biggest))
     return OverflowReport(
-        phase=phase, node=node.name, op=node.meta.get("amp_fx.op") or (str(node.target) if node.op != "output" else "output"),
-        module=node.meta.get("amp_fx.module_path") or "", source=node.meta.get("amp_fx.source"),
-        decision=node.meta.get("amp_fx.decision", "none"), dtype=str(dtype).replace("torch.", "") if dtype else None,
+        phase=phase, node=node.name, op=meta.OP.get(node) or (str(node.target) if node.op != "output" else "output"),
+        module=meta.MODULE_PATH.get(node) or "", source=meta.SOURCE.get(node),
+        decision=meta.DECISION.get(node, "none"), dtype=str(dtype).replace("torch.", "") if dtype else None,
         max_abs=biggest, dtype_max=float(torch.finfo(dtype).max) if dtype else None,
         nonfinite=nonfinite_count(low), override=override, pin_nodes=[t.name for t in targets], gradient_of=gradient_of,
         safe_loss_scale=safe,
@@ -315,7 +316,7 @@ def default_loss(output: Any, target: Any = None) -> torch.Tensor:
     return F.mse_loss(tensors[0].float(), torch.as_tensor(target, dtype=torch.float32))
 
 
-@checks_keywords("amp_fx.find_overflow")
+@checks_keywords("find_overflow")
 def find_overflow(
     converted: fx.GraphModule,
     *inputs: Any,

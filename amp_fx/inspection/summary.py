@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from amp_fx.ir import meta
 from amp_fx.ir.cast_nodes import is_inserted_cast
 from amp_fx.inspection.find_overflow import plain_containers
 from amp_fx.converter.report import ConversionReport, build_report
@@ -135,8 +136,8 @@ def _inputs_from_meta(gm: fx.GraphModule) -> Optional[list]:
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
-        shape, dtype = node.meta.get("amp_fx.shape"), node.meta.get("amp_fx.orig_dtype")
-        if node.meta.get("amp_fx.is_tensor") is False and node.args:
+        shape, dtype = meta.shape(node), meta.ORIG_DTYPE.get(node)
+        if meta.is_tensor(node) is False and node.args:
             shapes.append(("default", node.args[0]))
             continue
         if shape is None or not isinstance(dtype, torch.dtype):

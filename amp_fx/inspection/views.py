@@ -18,6 +18,7 @@ import torch.nn as nn
 from amp_fx.ir.cast_nodes import cast_target, is_inserted_cast
 from amp_fx.inspection.draw import draw
 from amp_fx.ir.cast_costs import cast_bytes
+from amp_fx.ir import meta
 from amp_fx.ir.meta import float_dtype
 from amp_fx.inspection.summary import Summary, summary
 from amp_fx.errors import AmpTypeError
@@ -46,17 +47,17 @@ def _code_lines(gm: fx.GraphModule) -> list[str]:
 
 def _describe_inserted(node: fx.Node) -> str:
     if is_inserted_cast(node):
-        source, src_dtype, dst = node.meta.get("amp_fx.cast_of", (None, None, cast_target(node)))
-        kind = "weight cast" if node.meta.get("amp_fx.weight_cast") else "cast"
+        source, src_dtype, dst = meta.CAST_OF.get(node, (None, None, cast_target(node)))
+        kind = "weight cast" if meta.WEIGHT_CAST.get(node) else "cast"
         size = cast_bytes(node)
         cost = f", {size} B" if size is not None else ""
         return f"{CAST_MARK} {kind}: {source} {_dtype_name(src_dtype)} -> {_dtype_name(dst)}{cost}"
-    return f"{CAST_MARK} inserted: {node.meta.get('amp_fx.reason', 'by amp_fx')}"
+    return f"{CAST_MARK} inserted: {meta.REASON.get(node, 'by amp_fx')}"
 
 
 def inserted_lines(gm: fx.GraphModule) -> list[str]:
     """The converted code, one statement a line, with every line amp_fx inserted marked."""
-    inserted = {n.name: n for n in gm.graph.nodes if n.meta.get("amp_fx.inserted")}
+    inserted = {n.name: n for n in gm.graph.nodes if meta.INSERTED.get(n)}
     out = []
     for line in _code_lines(gm):
         match = _ASSIGN.match(line)
@@ -99,7 +100,7 @@ def diff(
 
 
 def _shape(node: fx.Node) -> Optional[tuple]:
-    shape = node.meta.get("amp_fx.shape")
+    shape = meta.shape(node)
     return tuple(int(s) for s in shape) if shape is not None else None
 
 
@@ -119,13 +120,12 @@ def to_networkx(converted: fx.GraphModule) -> Any:
 
     graph = nx.DiGraph(name=type(converted).__name__)
     for order, node in enumerate(converted.graph.nodes):
-        meta = node.meta
-        op = "to" if is_inserted_cast(node) else meta.get("amp_fx.op")
+        op = "to" if is_inserted_cast(node) else meta.OP.get(node)
         graph.add_node(
             node.name, op=op or (node.op if node.op in ("placeholder", "output") else None), fx_op=node.op,
-            target=str(node.target), module=meta.get("amp_fx.module_path", ""), decision=meta.get("amp_fx.decision", "none"),
-            reason=meta.get("amp_fx.reason", ""), dtype=None if float_dtype(node) is None else _dtype_name(float_dtype(node)),
-            shape=_shape(node), source=meta.get("amp_fx.source"), inserted=bool(meta.get("amp_fx.inserted")), order=order,
+            target=str(node.target), module=meta.MODULE_PATH.get(node, ""), decision=meta.DECISION.get(node, "none"),
+            reason=meta.REASON.get(node, ""), dtype=None if float_dtype(node) is None else _dtype_name(float_dtype(node)),
+            shape=_shape(node), source=meta.SOURCE.get(node), inserted=bool(meta.INSERTED.get(node)), order=order,
         )
     for node in converted.graph.nodes:
         for source in node.all_input_nodes:

@@ -26,18 +26,22 @@ The algorithm, one walk over the graph in order:
    of the op, derived from the tables (:func:`amp_fx.ir.dtype_rules.rule_value`).  Graph inputs'
    dtypes are unknown: nothing is assumed about them.
 
-Every node gets a :class:`ValueInfo` under ``meta.VALUE`` and the flat keys
-of :mod:`amp_fx.ir.meta` (``IS_TENSOR``, ``IS_FLOAT``, ``FLOAT_DTYPE``,
-``SHAPE``, ``CONTAINER``).  The result rules of dtype-only mode live in
+Every node gets a :class:`ValueInfo`, its one value record (``meta.VALUE``:
+:func:`amp_fx.ir.meta.store_value`; ``meta.is_float(node)``,
+``meta.float_dtype(node)``, ``meta.shape(node)``, ... read it).  The result rules of dtype-only mode live in
 :mod:`amp_fx.ir.dtype_rules`; :mod:`amp_fx.ir.cast_costs` turns an analysis into the
-casts ``insert_casts`` will write and the bytes they move.
+casts ``insert_casts`` will write and the bytes they move.  How one node is
+fake-run is :mod:`amp_fx.ir.fake_calls`; aliasing (``alias_root``,
+``mutated_values``, importable from here too) is :mod:`amp_fx.ir.aliasing`.
+
+:func:`analyse` only returns its answer: the pass runner
+(:mod:`amp_fx.ir.pass_manager`) decides when it runs and stores it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional
 
@@ -46,26 +50,19 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
-from amp_fx.ir import meta, tables
+from amp_fx.ir import meta, op_properties
 from amp_fx.graph_ops.casts import amp_cast
 from amp_fx.ir.dtype_rules import explicit_dtype, opened_by_hooks, rule_value, widest
 from amp_fx.graph_ops.mode_switch import switching_modes
 from amp_fx.ir.meta import ValueInfo, may_be_float_tensor
-from amp_fx.ir.op_keys import CAST_OPS
-from amp_fx.errors import AmpValueError
+from amp_fx.ir.aliasing import alias_root, mutated_roots, mutated_values
+from amp_fx.ir.fake_calls import Described, call_key, call_on_fakes, examples_do_not_fit, fetch_attr, quiet_fake_kernels
 
 __all__ = [
     "ValueInfo", "Analysis", "analyse", "input_target", "arrives_as", "explicit_dtype", "promoting_inputs",
     "may_be_float_tensor", "node_inputs", "alias_root", "mutated_roots", "mutated_values", "eval_mode",
-    "placeholder_examples", "ALIASING_OPS", "CHECK_OPS",
+    "placeholder_examples",
 ]
-
-
-# Ops whose result may share memory with their first input: views, and casts
-# (a cast to the dtype a tensor already has returns the tensor itself).
-ALIASING_OPS = tables.DATA_MOVEMENT | CAST_OPS
-# Checks that torch.export records: no result, no arithmetic; kept true to the rewrite by insert_casts.
-CHECK_OPS = tables.EXPORT_CHECKS
 
 
 @dataclass
@@ -84,11 +81,11 @@ class Analysis:
         return self.fake_mode and all(info.has_value for node, info in self.values.items() if node.op == "placeholder")
 
     def write(self) -> None:
-        """Store this answer on its nodes (the analysis of the paint the rewrite will use)."""
+        """Store this answer on its nodes: the pass runner's to call, for the paint the rewrite will use."""
         for node, info in self.values.items():
             info.write(node)
             if node.op in ("placeholder", "get_attr") and info.dtype is not None:
-                node.meta[meta.ORIG_DTYPE] = info.dtype if node.meta.get(meta.DECISION) != "entry" else node.meta.get(meta.ORIG_DTYPE, info.dtype)
+                meta.ORIG_DTYPE.set(node, info.dtype if meta.DECISION.get(node) != "entry" else meta.ORIG_DTYPE.get(node, info.dtype))
 
 
 
@@ -177,8 +174,8 @@ def placeholder_examples(gm: fx.GraphModule, ctx: Any) -> dict[fx.Node, Any]:
     if recorded:
         return recorded
     # A graph converted before (re-run on its own output) keeps what its example inputs told.
-    previous = {n: n.meta[meta.VALUE].fake for n in placeholders
-                if getattr(n.meta.get(meta.VALUE), "has_value", False)}
+    previous = {n: meta.value_of(n).fake for n in placeholders
+                if getattr(meta.value_of(n), "has_value", False)}
     if previous and (ctx is None or (ctx.example_inputs is None and not ctx.example_kwarg_inputs)):
         return previous
     if ctx is None or (ctx.example_inputs is None and not ctx.example_kwarg_inputs):
@@ -274,7 +271,7 @@ class _Walker:
         if node.op == "placeholder":
             return self._placeholder(node, decision)
         if node.op == "get_attr":
-            value = _fetch_attr(self.gm, str(node.target))
+            value = fetch_attr(self.gm, str(node.target))
             if isinstance(value, torch.Tensor):
                 info = ValueInfo.of(self._fake(value) if self.mode is not None else value)
                 if self.mode is None:
@@ -284,7 +281,7 @@ class _Walker:
         if node.op == "output":
             return ValueInfo.non_tensor()
         op = node.meta.get(meta.OP)
-        if op in CHECK_OPS:
+        if op_properties.of(op).export_check:  # a check torch.export records: no result, no arithmetic
             return ValueInfo.non_tensor()
         if node.meta.get(meta.INPLACE) and node.args and isinstance(node.args[0], fx.Node):
             # Written back into its first input (an fp32 in-place op is computed out of place, then copied back).
@@ -322,21 +319,21 @@ class _Walker:
             return cached
         # The same op on inputs of the same dtypes, shapes and strides gives the same result:
         # a model's repeated layers are fake-run once.
-        described = map_arg((node.args, node.kwargs), lambda n: _Described(given[n], inputs[n]))
-        same_call = _call_key(node, *described, target)
+        described = map_arg((node.args, node.kwargs), lambda n: Described(given[n], inputs[n]))
+        same_call = call_key(node, *described, target)
         if same_call is not None and same_call in self.cache:
             info = dataclasses.replace(self.cache[same_call])
         else:
             fakes = {n: arrives_as(info, target, with_value=True).fake for n, info in given.items()}
             args, kwargs = map_arg((node.args, node.kwargs), lambda n: fakes[n])
             try:
-                with _quiet_fake_kernels():
-                    result = _call(self.gm, node, args, kwargs, target)
+                with quiet_fake_kernels():
+                    result = call_on_fakes(self.gm, node, args, kwargs, target)
                 info = ValueInfo.of(result)
             except Exception as error:  # any failure: the node is unknown, the conversion goes on
                 reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
                 if self.user_examples and self._fails_as_written(node, given, error):
-                    raise _examples_do_not_fit(node, reason, self.examples) from error
+                    raise examples_do_not_fit(node, reason, self.examples) from error
                 info = rule_value(node, decision, inputs, target, self.gm)
                 info.unknown = reason
             if same_call is not None:
@@ -358,161 +355,28 @@ class _Walker:
         fakes = {n: arrives_as(info, torch.float32, with_value=True).fake for n, info in given.items()}
         args, kwargs = map_arg((node.args, node.kwargs), lambda n: fakes[n])
         try:
-            with _quiet_fake_kernels():
-                _call(self.gm, node, args, kwargs, torch.float32)
+            with quiet_fake_kernels():
+                call_on_fakes(self.gm, node, args, kwargs, torch.float32)
         except (RuntimeError, ValueError, IndexError) as again:
             return type(again) is type(error)
         return False
 
 
-def _examples_do_not_fit(node: fx.Node, reason: str, examples: Mapping[fx.Node, Any]) -> AmpValueError:
-    """The error for example inputs the model itself rejects: which node, where, and the shapes given."""
-    shapes = {n.name: tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for n, v in examples.items()}
-    where = node.meta.get(meta.SOURCE) or node.name
-    return AmpValueError(
-        f"the example inputs do not fit the model: {node.name} ({where}) fails on them in fp32 too: {reason.rstrip('.')}. "
-        f"Example input shapes: {shapes}. Pass example_inputs / example_kwarg_inputs the model accepts "
-        "(call model(*example_inputs) to check).")
-
-
-@contextlib.contextmanager
-def _quiet_fake_kernels() -> Iterator[None]:
-    """Silence FakeTensorMode's log of a failing meta kernel: the analysis records or raises it itself."""
-    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = fake_log.level
-    fake_log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        fake_log.setLevel(level)
-
-
-_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
-
-
-@dataclass
-class _Described:
-    """An input as the call will receive it: its value before the cast, and its info after."""
-
-    before: ValueInfo
-    after: ValueInfo
-
-
-def _call_key(node: fx.Node, args: tuple, kwargs: dict, target: Optional[torch.dtype]) -> Optional[tuple]:
-    """A hashable description of a call by its inputs' metadata, or None when it cannot be described safely.
-
-    Only functions and methods (a module's forward may read any attribute);
-    only static shapes (a symbolic size stands for a value the key cannot see).
-    """
-    if node.op not in ("call_function", "call_method"):
-        return None
-    parts: list = []
-
-    def describe(value: Any) -> bool:
-        if isinstance(value, _Described):
-            fake = value.before.fake
-            if not isinstance(fake, torch.Tensor):
-                return describe(fake) if not value.before.container else False
-            if not all(isinstance(size, int) for size in (*fake.shape, *fake.stride())):
-                return False
-            parts.append(("t", value.after.dtype or fake.dtype, tuple(fake.shape), tuple(fake.stride()), fake.device.type))
-            return True
-        if isinstance(value, torch.Tensor):
-            if not all(isinstance(size, int) for size in (*value.shape, *value.stride())):
-                return False
-            parts.append(("t", value.dtype, tuple(value.shape), tuple(value.stride()), value.device.type))
-            return True
-        if isinstance(value, (list, tuple)):
-            parts.append(("(", type(value).__name__, len(value)))
-            return all(describe(item) for item in value)
-        if isinstance(value, slice):
-            return describe((value.start, value.stop, value.step))
-        if isinstance(value, _SCALARS) or value is Ellipsis:
-            parts.append(("v", type(value).__name__, value))
-            return True
-        return False
-
-    if not describe(args) or not describe(tuple(sorted(kwargs.items(), key=lambda item: item[0]))):
-        return None
-    return ("call", node.op, node.target, target, tuple(parts))
-
-
-def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
-    value: Any = gm
-    for atom in target.split("."):
-        value = getattr(value, atom, None)
-    return value
-
-
-def _call(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict, target: Optional[torch.dtype]) -> Any:
-    """Run ``node``'s op on fake inputs, as the rewritten program will (leaf modules with cast parameters)."""
-    if node.op == "call_function":
-        return node.target(*args, **kwargs)
-    if node.op == "call_method":
-        self_arg, *rest = args
-        return getattr(self_arg, str(node.target))(*rest, **kwargs)
-    module = gm.get_submodule(str(node.target))
-    params = {name: p for name, p in module.named_parameters() if p.is_floating_point() and target is not None and p.dtype not in (target, torch.float64)}
-    if not params:
-        return module(*args, **kwargs)
-    return torch.func.functional_call(module, {name: p.to(target) for name, p in params.items()}, args, kwargs)
-
-
 def analyse(gm: fx.GraphModule, ctx: Any = None, paint: Optional[dict] = None, *,
-            low: Optional[torch.dtype] = None, store: bool = True, assume_inputs: Optional[torch.dtype] = None,
+            low: Optional[torch.dtype] = None, assume_inputs: Optional[torch.dtype] = None,
             repaint: Optional[Callable[[fx.Node, ValueInfo], Optional[str]]] = None) -> Analysis:
-    """Analyse ``gm`` under ``paint`` (node -> decision; default: the graph's own paint).
+    """Analyse ``gm`` under ``paint`` (node -> decision; default: the graph's own paint) and return the answer.
 
-    ``store``: write the answer on the nodes (the analysis of the paint the
-    rewrite will use).  ``assume_inputs``: a dtype to assume for graph inputs
-    of unknown dtype -- for cost models only (the min-cut), never for what the
-    graph does.  ``repaint(node, info)``: called on each node in order with
-    its answer; a decision it returns replaces the node's paint in ``paint``
-    (which is updated in place) and the node is analysed again.
+    Pure: nothing is written on the nodes or the context (but the context's
+    caches of fake values and kernel results).  The pass runner
+    (:mod:`amp_fx.ir.pass_manager`) stores the analysis of the paint the
+    rewrite will use (:meth:`Analysis.write`, ``ctx.analysis``); a pass may
+    analyse hypothetical paints for its cost model.  ``assume_inputs``: a
+    dtype to assume for graph inputs of unknown dtype -- for cost models
+    only (the min-cut), never for what the graph does.  ``repaint(node,
+    info)``: called on each node in order with its answer; a decision it
+    returns replaces the node's paint in ``paint`` (which is updated in
+    place) and the node is analysed again.
     """
     low = low or (ctx.low if ctx is not None else torch.bfloat16)
-    analysis = _Walker(gm, ctx, paint if paint is not None else {}, low, assume_inputs, repaint).run()
-    if store:
-        analysis.write()
-        if ctx is not None:
-            ctx.analysis = analysis
-    return analysis
-
-
-# --------------------------------------------------------------------------
-# Aliasing
-# --------------------------------------------------------------------------
-def alias_root(node: fx.Node) -> fx.Node:
-    """The value ``node`` may share memory with, walking back through views, casts and in-place ops.
-
-    Over-approximating (``index_select`` copies) only costs a cast; missing an
-    alias would read stale values.
-    """
-    while node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node):
-        op = node.meta.get(meta.OP)
-        if not (op in ALIASING_OPS or node.meta.get(meta.INPLACE)):
-            break
-        node = node.args[0]
-    return node
-
-
-def mutated_roots(graph: fx.Graph) -> set[fx.Node]:
-    """Alias roots of the values some in-place op writes into: their casts must not be shared across the write."""
-    return {alias_root(n.args[0]) for n in graph.nodes
-            if n.meta.get(meta.INPLACE) and n.args and isinstance(n.args[0], fx.Node)}
-
-
-def mutated_values(graph: fx.Graph) -> set[fx.Node]:
-    """Every value an in-place op writes, with everything that may alias it (views up and down)."""
-    found = {n.args[0] for n in graph.nodes if n.meta.get(meta.INPLACE) and n.args and isinstance(n.args[0], fx.Node)}
-    todo = list(found)
-    while todo:
-        node = todo.pop()
-        linked = [u for u in node.users if u.meta.get(meta.OP) in ALIASING_OPS and u.args and u.args[0] is node]
-        if node.meta.get(meta.OP) in ALIASING_OPS and node.args and isinstance(node.args[0], fx.Node):
-            linked.append(node.args[0])
-        for other in linked:
-            if other not in found:
-                found.add(other)
-                todo.append(other)
-    return found
+    return _Walker(gm, ctx, paint if paint is not None else {}, low, assume_inputs, repaint).run()

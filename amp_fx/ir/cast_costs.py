@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from amp_fx.ir import meta
+from amp_fx.ir import meta, op_properties
 from amp_fx.ir.analysis import Analysis, input_target, node_inputs
 from amp_fx.ir.meta import ValueInfo, may_be_float_tensor
 
@@ -23,14 +23,12 @@ __all__ = ["ELEMENT_SIZE", "FALLBACK_NUMEL", "static_numel", "numel_estimates", 
 
 ELEMENT_SIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float64: 8}
 FALLBACK_NUMEL = 4096  # elements of a graph input whose shape is unknown (cost estimates only)
-# Ops whose result is larger than their input by a factor read off literal arguments (cost estimates).
-_GROWING = frozenset({"repeat", "tile", "repeat_interleave", "expand"})
 
 
 def _growth(node: fx.Node) -> int:
     """How many times larger than its input a repeat-like op's result is, from literal arguments (1 if unknown)."""
     op = node.meta.get(meta.OP)
-    if op not in _GROWING:
+    if not op_properties.of(op).grows:  # the op registry's repeat, tile, repeat_interleave, expand
         return 1
     sizes = [a for a in node.args[1:] if isinstance(a, int)]
     if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)):
@@ -60,7 +58,7 @@ def numel_estimates(graph: fx.Graph) -> dict[fx.Node, int]:
     and an op's result as much as its largest input (times a repeat's literal factor)."""
     numel: dict[fx.Node, int] = {}
     for node in graph.nodes:
-        known = static_numel(node.meta.get(meta.SHAPE))
+        known = static_numel(meta.shape(node))
         inputs = [numel[n] for n in node_inputs(node) if n in numel]
         if known is not None:
             numel[node] = known
@@ -73,7 +71,7 @@ def numel_estimates(graph: fx.Graph) -> dict[fx.Node, int]:
 
 def cast_bytes(node: fx.Node) -> Optional[int]:
     """Bytes an inserted cast node reads plus writes, from shape metadata (None without shapes)."""
-    numel = static_numel(node.meta.get(meta.SHAPE))
+    numel = static_numel(meta.shape(node))
     _, source_dtype, target = node.meta.get(meta.CAST_OF, (None, None, None))
     if numel is None or target is None:
         return None

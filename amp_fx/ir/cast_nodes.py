@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 import torch.fx as fx
 
-from amp_fx.ir import meta
+from amp_fx.ir import meta, op_properties
 from amp_fx.ir.analysis import alias_root, arrives_as
 from amp_fx.graph_ops.cast_cache import cached_cast
 from amp_fx.graph_ops.casts import amp_cast
 
 __all__ = ["is_inserted_cast", "is_model_cast", "cast_source", "cast_target", "written_cast_dtype", "CastBuilder"]
-
-_NAMED_CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
-# Keys a cast copies from the value it reads: same tensor, same place in the model.
-_INHERITED = (meta.IS_TENSOR, meta.IS_FLOAT, meta.SHAPE, meta.MODULE_PATH, meta.MODULE_STACK, meta.SOURCE,
-              "stack_trace", "nn_module_stack")
 
 
 def is_inserted_cast(node: fx.Node) -> bool:
@@ -42,8 +38,9 @@ def cast_target(node: fx.Node) -> Optional[torch.dtype]:
         return node.args[1]
     if node.op != "call_method":
         return None
-    if node.target in _NAMED_CASTS and len(node.args) == 1 and not node.kwargs:
-        return _NAMED_CASTS[node.target]
+    named = op_properties.NAMED_CASTS.get(node.target)  # x.float(), x.half(), ...
+    if named is not None and len(node.args) == 1 and not node.kwargs:
+        return named
     if node.target == "to" and len(node.args) == 2 and not node.kwargs:
         dtype = node.args[1]
         if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
@@ -110,7 +107,7 @@ class CastBuilder:
         if writer is not None and anchor < writer:
             anchor = writer  # a cast made before an in-place write would hold stale values
         with self.graph.inserting_after(anchor):
-            if value.meta.get(meta.IS_FLOAT) is True:
+            if meta.is_float(value) is True:
                 cast = self.graph.call_method("to", (value, dtype))
             else:
                 cast = self.graph.call_function(amp_cast, (value, dtype))
@@ -128,19 +125,16 @@ class CastBuilder:
 
     @staticmethod
     def _annotate(cast: fx.Node, value: fx.Node, dtype: torch.dtype) -> None:
-        m = cast.meta
-        for key in _INHERITED:
-            if key in value.meta:
-                m[key] = value.meta[key]
-        m[meta.OP] = "to"
-        m[meta.DECISION] = "cast"
+        meta.inherit(cast, value, float_dtype=dtype)  # same tensor, same place in the model
+        meta.OP.set(cast, "to")
+        meta.DECISION.set(cast, "cast")
         # A Dynamo graph's weights are placeholders with machine names: name the weight (fc1.weight) instead.
-        weight = value.meta.get(meta.PARAM) if value.op == "placeholder" else None
-        m[meta.REASON] = f"inserted: {weight or value.name} to {str(dtype).replace('torch.', '')}"
-        m[meta.INSERTED] = True
-        m[meta.CAST_OF] = (value.name, meta.float_dtype(value) or value.meta.get(meta.ORIG_DTYPE), dtype)
-        m[meta.WEIGHT_CAST] = value.meta.get(meta.PARAM) is not None
-        source = value.meta.get(meta.VALUE)
+        weight = meta.PARAM.get(value) if value.op == "placeholder" else None
+        meta.REASON.set(cast, f"inserted: {weight or value.name} to {str(dtype).replace('torch.', '')}")
+        meta.INSERTED.set(cast, True)
+        meta.CAST_OF.set(cast, (value.name, meta.float_dtype(value) or meta.ORIG_DTYPE.get(value), dtype))
+        meta.WEIGHT_CAST.set(cast, meta.PARAM.get(value) is not None)
+        source = meta.value_of(value)
         if source is not None:  # the analysis's answer for the cast: the source's value in ``dtype``
-            arrives_as(source, dtype).write(cast)
-        m[meta.FLOAT_DTYPE] = dtype
+            answer = arrives_as(source, dtype)
+            meta.store_value(cast, answer if answer.float_dtype == dtype else dataclasses.replace(answer, float_dtype=dtype))

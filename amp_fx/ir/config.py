@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from amp_fx.ir.devices import device_type_of, low_dtype_for
-from amp_fx.errors import AmpTypeError, AmpValueError, unknown_options_error
+from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError, unknown_options_error
 
 __all__ = ["AmpConfig", "LEVELS", "make_config", "parse_dtype"]
 
@@ -131,7 +131,7 @@ def make_config(level: str = "O1", **overrides: Any) -> AmpConfig:
     fields = {f.name for f in dataclasses.fields(AmpConfig)}
     bad = sorted(set(overrides) - fields)
     if bad:
-        raise unknown_options_error(bad, fields - {"level", "op_mode"}, "amp_fx.make_config", kind="conversion option")
+        raise unknown_options_error(bad, fields - {"level", "op_mode"}, f"{PACKAGE}.make_config", kind="conversion option")
     defaults = {f.name: f.default for f in dataclasses.fields(AmpConfig)}
     settings = dict(defaults, **_PRESETS[level], level=level)
     settings.update({k: v for k, v in overrides.items() if v is not None})

@@ -2,9 +2,9 @@
 
 Used where a node cannot be fake-run: no example inputs (graph inputs' dtypes
 unknown, no shapes), an input whose value is unknown, or an op with no fake
-kernel.  Every rule reads the tables; none is a table of its own making
-except the short lists below of ops whose *result kind* (not a tensor, not
-floating, a tuple) the tables do not say.
+kernel.  Every rule reads the op registry (:mod:`amp_fx.ir.op_properties`,
+which derives from the tables and says each op's *result kind*: not a
+tensor, not floating, a tuple, ...); none keeps an op list of its own.
 """
 
 from __future__ import annotations
@@ -14,41 +14,14 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.fx as fx
 
-from amp_fx.ir import meta, tables
+from amp_fx.ir import meta, op_properties
 from amp_fx.graph_ops.casts import amp_cast, amp_promote
 from amp_fx.ir.meta import ValueInfo, may_be_float_tensor
-from amp_fx.ir.op_keys import CAST_OPS
 
 __all__ = ["rule_value", "widest", "explicit_dtype", "opened_by_hooks"]
 
-# -- result rules for dtype-only mode, all derived from the tables ----------
-# Ops whose tensor result is floating whatever arrives (GEMMs, exp, softmax, losses).
-_FLOAT_RESULT = (frozenset(tables.LOW) | frozenset(tables.FP32)) - {"sum", "prod", "cumsum", "cumprod", "pow"}
-# Ops whose result is never floating, or is not a tensor at all.
-_NON_FLOAT_RESULT = frozenset({
-    "eq", "ne", "lt", "le", "gt", "ge", "isfinite", "isnan", "isinf", "logical_and", "logical_or", "logical_not",
-    "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "argmax", "argmin", "any", "all", "one_hot", "equal",
-    "nonzero", "searchsorted", "bucketize",
-})
-_NON_TENSOR_RESULT = frozenset({"size", "dim", "numel", "ndimension", "nelement", "stride", "is_floating_point",
-                                "item", "tolist", "equal", "is_contiguous", "data_ptr"})
+# Tensor attributes whose value is never a tensor (``x.shape``: attribute names, not ops).
 _NON_TENSOR_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "is_sparse", "layout"})
-# Ops that return several tensors (their items are read with getitem).
-_TUPLE_RESULT = frozenset({"split", "chunk", "unbind", "split_with_sizes", "topk", "sort", "var_mean", "std_mean",
-                           "lstm", "gru", "rnn_tanh", "rnn_relu", "native_dropout", "max_pool2d_with_indices",
-                           "multi_head_attention"})
-# Data movement keeps its first input's dtype (an index or shape tensor takes no part; F.embedding's data is its 2nd input).
-_KEEPS_FIRST_DTYPE = tables.DATA_MOVEMENT - {"embedding", "embedding_bag", "one_hot"}
-_NAMED_CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
-_NON_FLOAT_CASTS = frozenset({"long", "int", "bool", "short", "byte", "char"})
-# Complex numbers in and out: ops whose result is the real part of a complex input, and ops that make complex values.
-_COMPLEX_TO_REAL = frozenset({"view_as_real", "real", "imag", "abs", "angle"})
-_COMPLEX_RESULT = frozenset({"view_as_complex", "polar", "complex"})
-# Module hook boundaries (amp_fx/frontend/module_hooks.py): enter/exit pass a token, and
-# module_hook_value(x, token, i) is x as the hooks left it: x's shape, and a dtype known only at run
-# time (opened_by_hooks), as a hook may return another one (out.float()) that autocast would take.
-_HOOK_TOKENS = frozenset({"module_hook_enter", "module_hook_exit"})
-_HOOK_VALUE = "module_hook_value"
 
 
 def widest(dtypes: list[Optional[torch.dtype]]) -> Optional[torch.dtype]:
@@ -93,9 +66,9 @@ def _cast_target(node: fx.Node, inputs: Mapping[fx.Node, ValueInfo]) -> tuple[Op
     a dtype known only at run time; (True, None): no dtype given, the input's
     dtype is kept (``.to(device)``), or ``amp_promote``.
     """
-    op = node.meta.get(meta.OP)
-    if op in _NAMED_CASTS:
-        return True, _NAMED_CASTS[op]
+    named = op_properties.of(node.meta.get(meta.OP)).cast_dtype
+    if named is not None:
+        return True, named
     if node.target is amp_cast:
         return True, node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype")
     if node.target is amp_promote:
@@ -148,7 +121,7 @@ def opened_by_hooks(node: fx.Node, info: ValueInfo, target: Optional[torch.dtype
     casts its inputs (``target``) or a cast to a fixed dtype.  Shape and fake
     value stay (the hook keeps the structure); non-floating values stay known.
     """
-    hooked = node.meta.get(meta.OP) == _HOOK_VALUE
+    hooked = op_properties.of(node.meta.get(meta.OP)).hook == "value"
     reason = ("module hook boundary: a hook may hand on another floating dtype than traced" if hooked
               else next((opened[n] for n in inputs if n in opened), None))
     if reason is None:
@@ -160,7 +133,7 @@ def opened_by_hooks(node: fx.Node, info: ValueInfo, target: Optional[torch.dtype
     if not hooked:
         if target is not None:
             return info, None  # the op casts its inputs: its result's dtype is known
-        if node.meta.get(meta.OP) in CAST_OPS or node.target in (amp_cast, amp_promote):
+        if op_properties.of(node.meta.get(meta.OP)).cast or node.target in (amp_cast, amp_promote):
             is_float_cast, dtype = _cast_target(node, inputs)
             if is_float_cast is False or dtype is not None:
                 return info, None  # a cast to a fixed dtype
@@ -173,14 +146,16 @@ def rule_value(node: fx.Node, decision: str, inputs: Mapping[fx.Node, ValueInfo]
                 gm: fx.GraphModule) -> ValueInfo:
     """Dtype-only mode: the op's result rule (see the module docstring, step 4)."""
     op = node.meta.get(meta.OP)
-    if op in _NON_TENSOR_RESULT or (node.op == "call_method" and node.target in _NON_TENSOR_RESULT) or op in _HOOK_TOKENS:
+    props = op_properties.of(op)
+    method = op_properties.of(node.target) if node.op == "call_method" else op_properties.of(None)
+    if props.non_tensor_result or method.non_tensor_result or props.hook == "boundary":
         return ValueInfo.non_tensor()
-    if op == _HOOK_VALUE and node.args and isinstance(node.args[0], fx.Node) and node.args[0] in inputs:
+    if props.hook == "value" and node.args and isinstance(node.args[0], fx.Node) and node.args[0] in inputs:
         passed = inputs[node.args[0]]
         return ValueInfo(passed.is_tensor, passed.is_float, passed.float_dtype, passed.dtype, passed.shape, passed.container)
     if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
         return _attribute_value(node.args[1], inputs.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None)
-    if node.op == "call_method" and node.target in _NON_FLOAT_CASTS:
+    if method.non_float_cast:
         return ValueInfo(True, False)
     first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
     first_info = inputs.get(first) if first is not None else None
@@ -189,11 +164,11 @@ def rule_value(node: fx.Node, decision: str, inputs: Mapping[fx.Node, ValueInfo]
         if first_info.container:
             return ValueInfo(None, None, first_info.float_dtype)
         return ValueInfo()
-    if op in _TUPLE_RESULT and first_info is not None and first_info.is_float is not False and first_info.float_dtype:
+    if props.tuple_result and first_info is not None and first_info.is_float is not False and first_info.float_dtype:
         return ValueInfo(False, False, first_info.float_dtype if target is None else target, container=True)
-    if op in _NON_FLOAT_RESULT:
+    if props.non_float_result:
         return ValueInfo(None, False)
-    if decision == "cast" or op in CAST_OPS:
+    if decision == "cast" or props.cast:
         is_float_cast, dtype = _cast_target(node, inputs)
         if is_float_cast is False:
             return ValueInfo(True, False)
@@ -204,13 +179,13 @@ def rule_value(node: fx.Node, decision: str, inputs: Mapping[fx.Node, ValueInfo]
         if is_float_cast is None:  # a target known only at run time: not the input's dtype, so unknown (guarded)
             return ValueInfo(shape=source.shape if source else None)
     complex_first = first_info is not None and first_info.dtype is not None and first_info.dtype.is_complex
-    if op in _COMPLEX_TO_REAL and complex_first:
+    if props.real_of_complex and complex_first:
         real = first_info.dtype.to_real()
         return ValueInfo(True, True, real, real)
     if op == "view_as_complex" and first_info is not None and first_info.float_dtype is not None:
         return ValueInfo(True, False, None, first_info.float_dtype.to_complex())
     complex_in = next((i.dtype for i in inputs.values() if i.dtype is not None and i.dtype.is_complex), None)
-    if complex_in is not None or op in _COMPLEX_RESULT:
+    if complex_in is not None or props.complex_result:
         # ``h * phase`` with a complex phase is complex: never a float, never cast.
         return ValueInfo(True, False, None, complex_in)
     explicit = explicit_dtype(node)
@@ -226,11 +201,11 @@ def rule_value(node: fx.Node, decision: str, inputs: Mapping[fx.Node, ValueInfo]
         return ValueInfo(True, True, first_info.float_dtype)  # a fused norm returns its input's (low) dtype
     reads_float64 = any(i.float_dtype == torch.float64 for i in inputs.values() if may_be_float_tensor(i))
     if decision in ("low", "fp32") and target is not None and not reads_float64:
-        if op in _FLOAT_RESULT:
+        if props.float_result:
             return ValueInfo(True, True, target)
         if node.op == "call_module":
             return ValueInfo(None, None, target)
-    if op in _KEEPS_FIRST_DTYPE and first_info is not None and first_info.is_tensor is not False and not first_info.container:
+    if props.keeps_first_dtype and first_info is not None and first_info.is_tensor is not False and not first_info.container:
         return ValueInfo(first_info.is_tensor, first_info.is_float, first_info.float_dtype, first_info.dtype)
     if op == "embedding" and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
         weight = inputs[node.args[1]]
@@ -245,6 +220,6 @@ def rule_value(node: fx.Node, decision: str, inputs: Mapping[fx.Node, ValueInfo]
         if all(i.is_tensor is False for i in inputs.values()):
             return ValueInfo(None, None, torch.get_default_dtype())
         return ValueInfo()
-    is_float = True if (first_info is not None and first_info.is_float is True and op in tables.FOLLOW) or \
-        (op in _FLOAT_RESULT) else None
+    is_float = True if (first_info is not None and first_info.is_float is True and props.table == "follow") or \
+        props.float_result else None
     return ValueInfo(True if is_float else None, is_float, widest([i.float_dtype for i in deciding]))

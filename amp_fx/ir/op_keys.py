@@ -18,10 +18,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["canonical_op", "is_inplace", "CAST_OPS", "module_op_name", "op_name_of"]
+from amp_fx.ir.op_properties import CAST_OPS  # ops that are themselves casts (re-exported; defined with every op property)
 
-# Ops that are themselves casts: they are never decided, only read.
-CAST_OPS = frozenset({"to", "type_as", "float", "half", "bfloat16", "double", "type", "_to_copy", "amp_cast"})
+__all__ = ["canonical_op", "is_inplace", "CAST_OPS", "module_op_name", "op_name_of"]
 
 # ATen spellings that mean the same op as a torch-level name.
 _ATEN_ALIASES = {

@@ -9,7 +9,9 @@ as ``QConfigMapping`` resolves it:
    runs ``dec.head`` in fp32 and the rest of ``dec`` low.  A name rule covers
    every op inside its module.
 2. module type (``nn.LayerNorm``), innermost enclosing module first.
-3. op: a canonical name (``"softmax"``) or the callable itself (``torch.softmax``).
+3. op: a canonical name (``"softmax"``), any spelling ``python -m amp_fx tables --op`` resolves
+   (``"torch.softmax"``, ``"F.softmax"``, ``"x.softmax_"``, ``"aten.softmax.int"``, a module type
+   such as ``"nn.LayerNorm"`` for the op it runs), or the callable itself (``torch.softmax``).
 4. the level's tables (not handled here).
 
 Setting a key again overrides its decision (the later call wins); among
@@ -34,6 +36,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 import torch.nn as nn
 
 from amp_fx.errors import AmpTypeError, AmpValueError
+from amp_fx.ir import op_properties
+from amp_fx.ir.op_keys import op_name_of
 
 __all__ = ["Policy", "DECISIONS", "PolicyRule"]
 
@@ -78,6 +82,20 @@ def _same_key(a: Any, b: Any) -> bool:
     return a is b if callable(a) and not isinstance(a, str) else a == b
 
 
+def _op_key(spelling: str) -> str:
+    """The canonical op name a policy's ``op:`` spelling means, as the CLI resolves it (``"nn.LayerNorm"`` -> ``"layer_norm"``).
+
+    A spelling that resolves to no op amp_fx knows is kept as written: it may be
+    a user module's or custom Function's own name (``"pkg.blocks.Attention"``).
+    """
+    resolved = op_name_of(spelling)
+    last = getattr(nn, spelling.strip().split(".")[-1], None)
+    names_module_type = isinstance(last, type) and issubclass(last, nn.Module)
+    if resolved != spelling and (names_module_type or resolved in op_properties.known_ops()):
+        return resolved
+    return spelling
+
+
 def _check_decision(decision: str) -> str:
     if decision not in DECISIONS:
         raise AmpValueError(f"unknown policy decision {decision!r}; use one of {DECISIONS}")
@@ -118,10 +136,10 @@ class Policy:
         return self._set(PolicyRule("type", module_type, _check_decision(decision)))
 
     def set_op(self, op: Union[str, Callable], decision: str) -> "Policy":
-        """Decide an op by canonical name or by the callable itself (adds custom ops to a table)."""
+        """Decide an op by name (any spelling the CLI resolves, see the module docstring) or by the callable itself."""
         if not (isinstance(op, str) or callable(op)):
             raise AmpTypeError(f"set_op expects a canonical op name or a callable, got {op!r}")
-        return self._set(PolicyRule("op", op, _check_decision(decision)))
+        return self._set(PolicyRule("op", _op_key(op) if isinstance(op, str) else op, _check_decision(decision)))
 
     @classmethod
     def from_dict(cls, mapping: Mapping[Any, str]) -> "Policy":

@@ -85,7 +85,7 @@ class LossScaler(ScalerStepsMixin, ScaleUpdatesMixin, ScalerStateMixin):
             :meth:`state_dict`, and a state saved for another level is refused.
     """
 
-    @checks_keywords("amp_fx.LossScaler")
+    @checks_keywords("LossScaler")
     def __init__(
         self,
         init_scale: float = _Default(2.0**16),  # type: ignore[assignment]

@@ -110,7 +110,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
     optimizer) drive the real learning rates.
     """
 
-    @checks_keywords("amp_fx.MasterWeightOptimizer")
+    @checks_keywords("MasterWeightOptimizer")
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,

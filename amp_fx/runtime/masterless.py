@@ -103,7 +103,7 @@ class LowPrecisionOptimizer(WrappedOptimizer):
     """
 
     # No Optimizer.__init__: param_groups and state must be the wrapped optimizer's objects.
-    @checks_keywords("amp_fx.LowPrecisionOptimizer")
+    @checks_keywords("LowPrecisionOptimizer")
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,

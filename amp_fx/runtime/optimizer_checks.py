@@ -11,6 +11,7 @@ import warnings
 import weakref
 from typing import Any
 
+from amp_fx.errors import PACKAGE
 import torch
 
 from amp_fx.converter.step_guard import register_wrapper_type
@@ -54,7 +55,7 @@ def warn_if_eps_underflows(optimizer: Any) -> None:
                 warnings.warn(
                     f"{type(optimizer).__name__} has eps={eps:g}, which is 0 in {dtype}, the dtype of parameters it "
                     "updates in place: a parameter with a zero gradient becomes NaN at the first step. Use "
-                    "amp_fx.LowPrecisionOptimizer (fp32 update math), or O2 with MasterWeightOptimizer, "
+                    f"{PACKAGE}.LowPrecisionOptimizer (fp32 update math), or O2 with MasterWeightOptimizer, "
                     f"or eps >= {torch.finfo(dtype).tiny:g}.",
                     EpsUnderflowWarning,
                     stacklevel=3,

@@ -17,7 +17,7 @@ from typing import Iterable
 import torch
 
 from .dtensors import local_tensor
-from amp_fx.errors import AmpNotImplementedError, AmpTypeError
+from amp_fx.errors import PACKAGE, AmpNotImplementedError, AmpTypeError
 
 __all__ = ["check_and_unscale_", "grads_of", "combined_found_inf"]
 
@@ -35,7 +35,7 @@ def grads_of(param_groups: Iterable[dict]) -> list[torch.Tensor]:
                 # (duplicate indices can overflow only once summed); nobody in the
                 # mixed-precision path produces them, so refuse rather than guess.
                 raise AmpNotImplementedError(
-                    "amp_fx.runtime.LossScaler does not support sparse gradients "
+                    f"{PACKAGE}.runtime.LossScaler does not support sparse gradients "
                     f"(parameter of shape {tuple(param.shape)}); use dense gradients "
                     "(e.g. nn.Embedding(sparse=False)) or torch.amp.GradScaler."
                 )

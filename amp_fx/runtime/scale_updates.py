@@ -21,7 +21,7 @@ from amp_fx.errors import AmpRuntimeError, AmpValueError
 
 __all__ = ["ScaleUpdatesMixin"]
 
-logger = logging.getLogger("amp_fx.runtime")
+logger = logging.getLogger(__package__)  # amp_fx.runtime: one logger for the loss scaler family
 
 
 class ScaleUpdatesMixin(ScalerStateMixin):

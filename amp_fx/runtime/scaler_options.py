@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from amp_fx.ir.config import parse_dtype
-from amp_fx.errors import AmpValueError
+from amp_fx.errors import PACKAGE, AmpValueError
 
 __all__ = ["Default", "parse_scaler_dtype", "NO_SCALING_DTYPES", "PROMOTED_TO_FP32", "NO_GRADS_FIX"]
 
@@ -28,8 +28,8 @@ NO_SCALING_DTYPES = (torch.bfloat16, torch.float32)
 PROMOTED_TO_FP32 = (torch.float16, torch.bfloat16)
 NO_GRADS_FIX = (
     "A common cause: the optimizer was built over the original model's parameters, but "
-    "amp_fx.convert(model, 'O2'/'O3') trains low-precision copies of them. At O2 wrap it: "
-    "amp_fx.MasterWeightOptimizer(optimizer, converted) (the original parameters are the fp32 masters); "
+    f"{PACKAGE}.convert(model, 'O2'/'O3') trains low-precision copies of them. At O2 wrap it: "
+    f"{PACKAGE}.MasterWeightOptimizer(optimizer, converted) (the original parameters are the fp32 masters); "
     "at O3 build it over converted.parameters()."
 )
 _DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32}

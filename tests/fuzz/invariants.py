@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import amp_fx
-from amp_fx.ir import tables
+from amp_fx.ir import meta, tables
 from amp_fx.ir.cast_nodes import cast_source, cast_target, is_inserted_cast
 from amp_fx.errors import UnsupportedConstructError
 from amp_fx.ir.op_keys import CAST_OPS
@@ -272,16 +272,16 @@ def check_predictions(gm: fx.GraphModule, recorder: Recorder, exact: bool) -> in
         dtype = recorder.result.get(node.name)
         if dtype is None or node.op == "output":
             continue
-        assert node.meta.get("amp_fx.is_tensor") is not False, f"{node.name} was predicted not to be a tensor"
+        assert meta.is_tensor(node) is not False, f"{node.name} was predicted not to be a tensor"
         if dtype.is_floating_point:
-            predicted = node.meta.get("amp_fx.float_dtype")
-            assert node.meta.get("amp_fx.is_float") is not False, f"{node.name} was predicted not floating"
+            predicted = meta.float_dtype(node)
+            assert meta.is_float(node) is not False, f"{node.name} was predicted not floating"
             guarded_float64 = not exact and dtype == torch.float64
             assert predicted == dtype or (not exact and predicted is None) or guarded_float64, \
                 f"{node.name}: predicted {predicted}, ran {dtype}"
         else:
-            assert node.meta.get("amp_fx.is_float") is not True, f"{node.name} ({dtype}) was predicted floating"
-        shape = node.meta.get("amp_fx.shape")
+            assert meta.is_float(node) is not True, f"{node.name} ({dtype}) was predicted floating"
+        shape = meta.shape(node)
         assert shape is None or tuple(shape) == recorder.shapes[node.name], f"{node.name}: shape {shape}, ran {recorder.shapes[node.name]}"
         checked += 1
     return checked

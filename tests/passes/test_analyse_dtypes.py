@@ -310,14 +310,14 @@ def _check_predictions(gm: fx.GraphModule, inputs: tuple, exact: bool = True) ->
     for node, value in recorder.seen.items():
         if not isinstance(value, torch.Tensor) or node.op == "output":
             continue
-        assert node.meta.get(meta.IS_TENSOR) is not False, node.name
+        assert meta.is_tensor(node) is not False, node.name
         if value.is_floating_point():
-            assert node.meta.get(meta.IS_FLOAT) is not False, node.name
+            assert meta.is_float(node) is not False, node.name
             predicted = meta.float_dtype(node)
             assert predicted == value.dtype or (not exact and predicted is None), (node.name, predicted, value.dtype)
         else:
-            assert node.meta.get(meta.IS_FLOAT) is not True, node.name
-        shape = node.meta.get(meta.SHAPE)
+            assert meta.is_float(node) is not True, node.name
+        shape = meta.shape(node)
         assert shape is None or tuple(shape) == tuple(value.shape), (node.name, shape, value.shape)
         checked += 1
     return checked

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
+from amp_fx.ir import meta
 from amp_fx.graph_ops.fused_norms import layer_norm_fp32_stats
 from amp_fx.passes.fuse_precision import fuse_precision
 from amp_fx.passes.insert_casts import insert_casts
@@ -126,7 +127,7 @@ def test_report_and_prediction(example):
             return result
 
     Recorder(gm).run(_inputs())
-    assert seen[node.name] == node.meta["amp_fx.float_dtype"] == torch.bfloat16
+    assert seen[node.name] == meta.float_dtype(node) == torch.bfloat16
     reader = next(iter(node.users))
     assert not reader.meta.get("amp_fx.inserted")  # the low reader takes the result as it is: no cast between
 
@@ -172,7 +173,7 @@ def test_not_fused(case):
 
         gm = _convert(Residual("group_norm", front=True), "group_norm", torch.bfloat16, True)
     node = _norm_node(gm)
-    assert not node.meta.get("amp_fx.fused") and node.meta["amp_fx.float_dtype"] == torch.float32
+    assert not node.meta.get("amp_fx.fused") and meta.float_dtype(node) == torch.float32
     assert "fused" not in gm.amp_report.node(node.name).reason
 
 
@@ -259,7 +260,7 @@ def test_affine_layer_norm_fused_and_as_precise_as_the_cast_form(dtype, bias):
     assert node.target is layer_norm_fp32_stats and not _norm_node(cast).meta.get("amp_fx.fused")
     record = fused.amp_report.node(node.name)
     assert record.decision == "fp32" and "fp32 weight/bias gradients" in record.reason
-    assert node.meta["amp_fx.float_dtype"] == dtype  # the analysis predicts the low result
+    assert meta.float_dtype(node) == dtype  # the analysis predicts the low result
     (out_f, gx_f, gp_f), (out_c, gx_c, gp_c) = _run(fused, x), _run(cast, x)
     assert _ulps(out_f, out_c, dtype) <= 1.0
     assert _ulps(gx_f, gx_c, dtype) <= 1.0
@@ -329,7 +330,7 @@ def test_affine_layer_norm_dtype_only_and_pass_contract():
     model, x = LinearLayerNormLinear(), _inputs()
     gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
     node = _norm_node(gm)
-    assert node.target is layer_norm_fp32_stats and node.meta["amp_fx.float_dtype"] == torch.bfloat16
+    assert node.target is layer_norm_fp32_stats and meta.float_dtype(node) == torch.bfloat16
     assert gm(x).dtype == torch.float32
     check(fuse_precision, model, (x,), delta=0, expect_modified=True, example_inputs=(x,))
     fused = check(insert_casts, model, (x,), example_inputs=(x,))
@@ -346,7 +347,7 @@ def test_affine_layer_norm_read_in_fp32_keeps_the_cast_form():
     gm = amp_fx.convert(Residual(), "O1", dtype=torch.bfloat16, example_inputs=(_inputs(),))
     node = _norm_node(gm)
     assert node.target is F.layer_norm and not node.meta.get("amp_fx.fused")
-    assert node.meta["amp_fx.float_dtype"] == torch.float32
+    assert meta.float_dtype(node) == torch.float32
 
 
 @pytest.mark.parametrize("norm", FORMS)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import amp_fx
 import zoo
+from amp_fx.ir import meta
 from amp_fx.ir.config import make_config
 from amp_fx.ir.pass_manager import PassContext, run_passes
 from amp_fx.converter.pipeline import build_pipeline, rewrite_graph
@@ -287,7 +288,7 @@ def test_integer_values_carry_no_cost_and_keep_their_paint():
     gm = run_passes(fx.symbolic_trace(IntegerPath()), ctx, [propagate_meta, assign_precision, analyse_dtypes])
     paint = {n: n.meta["amp_fx.decision"] for n in gm.graph.nodes}
     problem, free = build_problem(gm, ctx, paint, cost_view(gm, ctx, dict(paint)))
-    integer = [n for n in gm.graph.nodes if n.meta.get("amp_fx.is_float") is False]
+    integer = [n for n in gm.graph.nodes if meta.is_float(n) is False]
     assert integer and not set(integer) & (set(problem.weight) | set(free))
     # x + embed is free but stays fp32 (it feeds layer_norm); ids + 1 and clamp are integer: not free.
     assert {n.name for n in free} == {"add_1", "expand"}

@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
+from amp_fx.ir import meta
 from amp_fx.ir.config import make_config
 from amp_fx.ir.pass_manager import PassContext
 from amp_fx.converter.pipeline import build_pipeline
@@ -270,7 +271,7 @@ def test_should_pad_auto_thresholds():
     node.meta["amp_fx.op"] = "linear"
 
     def gemm(rows, k, n):
-        x.meta["amp_fx.shape"], w.meta["amp_fx.shape"] = (rows, k), (n, k)
+        meta.note_value(x, shape=(rows, k)), meta.note_value(w, shape=(n, k))
         return find_gemm(node)
 
     assert should_pad(gemm(2048, 1024, 50257), "auto", True, ALIGN) == (True, "")

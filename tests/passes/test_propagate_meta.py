@@ -12,7 +12,7 @@ from amp_fx.ir import meta
 from amp_fx.passes.propagate_meta import propagate_meta
 from pass_check import check
 
-KEYS = (meta.OP, meta.INPLACE, meta.MODULE_PATH, meta.MODULE_STACK, meta.SOURCE, meta.IS_TENSOR, meta.IS_FLOAT)
+KEYS = (meta.OP, meta.INPLACE, meta.MODULE_PATH, meta.MODULE_STACK, meta.SOURCE, meta.VALUE)  # VALUE: is_tensor, is_float, ...
 
 
 class Attn(nn.Module):
@@ -74,11 +74,12 @@ def test_parameters_and_buffers_carry_their_name_and_owner():
 
 def test_example_inputs_say_floatness_shape_and_dtype():
     ids, x = _inputs()
-    known = _by_name(check(propagate_meta, Model(), (ids, x), example_inputs=(ids, x), delta=0, meta_keys=KEYS))
-    assert (known["ids"][meta.IS_FLOAT], known["ids"][meta.SHAPE], known["ids"][meta.ORIG_DTYPE]) == (False, (2,), torch.int64)
-    assert (known["x"][meta.IS_FLOAT], known["x"][meta.SHAPE], known["x"][meta.ORIG_DTYPE]) == (True, (2, 4), torch.float32)
-    unknown = _by_name(check(propagate_meta, Model(), (ids, x), delta=0, meta_keys=KEYS))
-    assert unknown["ids"][meta.IS_FLOAT] is None and meta.SHAPE not in unknown["ids"]  # never guessed
+    gm = check(propagate_meta, Model(), (ids, x), example_inputs=(ids, x), delta=0, meta_keys=KEYS)
+    known = {n.name: n for n in gm.graph.nodes}
+    facts = {name: (meta.is_float(known[name]), meta.shape(known[name]), meta.ORIG_DTYPE.get(known[name])) for name in ("ids", "x")}
+    assert facts == {"ids": (False, (2,), torch.int64), "x": (True, (2, 4), torch.float32)}
+    unknown = {n.name: n for n in check(propagate_meta, Model(), (ids, x), delta=0, meta_keys=KEYS).graph.nodes}
+    assert meta.is_float(unknown["ids"]) is None and meta.shape(unknown["ids"]) is None  # never guessed
 
 
 def test_source_names_the_user_line_that_made_the_node():

@@ -7,11 +7,13 @@ import torch
 import amp_fx
 import zoo
 from amp_fx.ir.config import make_config
-from amp_fx.converter.pipeline import build_pipeline
+from amp_fx.converter.pipeline import AFTER_REPORT, build_pipeline
 
 
 def _pass_names(level):
-    return [p.__name__ for p in build_pipeline(make_config(level, dtype=torch.bfloat16), own_params=level in ("O2", "O3"))]
+    """The passes convert() runs, in order: the level's pipeline, then those that run after the report."""
+    pipeline = build_pipeline(make_config(level, dtype=torch.bfloat16), own_params=level in ("O2", "O3"))
+    return [p.__name__ for p in [*pipeline, *AFTER_REPORT]]
 
 
 def test_a_debug_line_after_every_pass_on_its_own_logger(caplog):

@@ -1,0 +1,276 @@
+"""What each op is, in one place: the registry every pass asks, keyed by canonical op name.
+
+A canonical name is what :mod:`amp_fx.ir.op_keys` makes of a node, the name ``meta.OP`` holds.
+The autocast lists stay data in :mod:`amp_fx.ir.tables` (table class and reason, data movement,
+norms, export checks); this module reads them and defines every other property a pass decides
+by, each once, as the set of ops that have it.  :func:`of` gathers them into one frozen
+:class:`OpProperties` per op; an op listed nowhere gets the defaults (nothing known about it).
+Adding an op: its table entry in ``tables.py``, then here each property it has.
+
+Rounding.  Two passes let an op run in the low dtype where its result is rounded low anyway,
+which rounds its input instead of its output (``minimize_casts`` moving an fp32 node low,
+``fuse_precision`` passing a fused norm's low result through it).  That is exact when
+
+- **forward** (``rounding_forward``): ``f(round(x)) == round(f(x))`` for every ``x``.  Ops that
+  select, move, negate or clamp values qualify (round-to-nearest is monotone and symmetric);
+  ``threshold(x, t, v)`` does not (an ``x`` just above ``t`` rounds onto it and becomes ``v``).
+- **backward** (``backward``): the backward at ``round(x)`` gives what the backward at ``x`` gives.
+  ``"moves"``: each gradient element goes to one input element chosen by position, or is zeroed by
+  a sign test (relu, abs) that rounding changes only on underflow to zero; ``"none"``: no
+  gradient reaches the input.  Not exact: ``"masks"`` (zeroes gradients past a bound: rounding
+  carries an input within half an ulp of the bound across it, e.g. ``clamp(max=1)`` of 1.003),
+  ``"routes"`` (max pooling: rounding can tie a window and route its gradient to another element;
+  overlapping windows sum), ``"sums"`` (expand, repeat, gathers: the sum would run in the low
+  dtype), ``"computes"`` (the default).
+
+:func:`exact_under_rounding_at` is the one question both passes ask (fuse_precision also lets
+``"routes"`` through, as measured in ``tests/passes/test_fuse_precision.py``).  Where
+the passes' old lists disagreed, and why the registry answers as it does, is shown op by op in
+``tests/ir/test_op_properties.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from types import MappingProxyType
+from typing import Mapping, Optional
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_arg
+
+from amp_fx.ir import meta, tables
+
+__all__ = ["OpProperties", "FusedForm", "of", "exact_under_rounding", "exact_under_rounding_at", "known_ops",
+           "CAST_OPS", "NAMED_CASTS", "FUSED_FORMS", "HOOK_BOUNDARY_OPS", "HOOK_VALUE_OP", "BACKWARD_KINDS"]
+
+
+@dataclass(frozen=True)
+class FusedForm:
+    """A mixed-dtype kernel that computes an fp32 op from its low input and fp32 weights (passes/fuse_precision.py)."""
+
+    devices: frozenset  # device types on which it was verified as precise as the cast form
+    description: str  # what the report says it runs
+
+
+def _group(value: object, *names: str) -> dict[str, object]:
+    return dict.fromkeys(names, value)
+
+
+# -- what an op's result shares ----------------------------------------------
+# Ops whose result is a view of their first input (getitem only with basic, non-tensor indices;
+# reshape/flatten when the layout allows): a write into it writes into the input.
+_VIEWS = frozenset({
+    "view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "expand", "expand_as", "squeeze",
+    "unsqueeze", "narrow", "select", "slice", "detach", "alias", "view_as", "split", "chunk", "unbind",
+    "split_with_sizes", "tensor_split", "hsplit", "vsplit", "dsplit", "diagonal", "as_strided", "unfold", "movedim",
+    "moveaxis", "swapaxes", "swapdims", "adjoint", "unsafe_view", "_unsafe_view", "getitem",
+})
+
+# -- casts ------------------------------------------------------------------
+# Ops that are themselves casts: never decided, only read.  The named ones say their target.
+_CASTS: Mapping[str, Optional[torch.dtype]] = MappingProxyType({
+    "float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64,
+    **_group(None, "to", "type_as", "type", "_to_copy", "amp_cast"),
+})
+CAST_OPS = frozenset(_CASTS)
+NAMED_CASTS: Mapping[str, torch.dtype] = MappingProxyType({k: v for k, v in _CASTS.items() if v is not None})
+# Tensor methods that cast to an integer or bool dtype (not decided: they make no float).
+_NON_FLOAT_CASTS = frozenset({"long", "int", "bool", "short", "byte", "char"})
+
+# -- rounding (see the module docstring) --------------------------------------
+_MAX_POOLS = ("max_pool1d", "max_pool2d", "max_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d")
+# embedding_bag sums or averages rows; max_pool2d_with_indices returns indices, which ties move.
+_ROUNDING_FORWARD = (tables.DATA_MOVEMENT - {"embedding_bag"}) | {
+    "relu", "relu6", "neg", "abs", "sign", "clamp", "clamp_min", "clamp_max", "hardtanh", "cat", "stack", *_MAX_POOLS}
+BACKWARD_KINDS = ("moves", "none", "masks", "routes", "sums", "computes")
+_BACKWARD: Mapping[str, str] = MappingProxyType({
+    **_group("moves",
+             "view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "contiguous", "squeeze",
+             "unsqueeze", "narrow", "select", "slice", "flip", "roll", "clone", "identity", "pad", "constant_pad_nd",
+             "tril", "triu", "alias", "unsafe_view", "_unsafe_view", "getitem", "split", "chunk", "unbind",
+             "split_with_sizes", "masked_select", "view_as", "lift_fresh_copy", "getattr", "cat", "stack",
+             "relu", "neg", "abs"),
+    **_group("none", "detach", "zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones",
+             "new_empty", "new_full", "size", "dim", "numel", "one_hot", "sign"),
+    **_group("masks", "clamp", "clamp_min", "clamp_max", "hardtanh", "relu6", "threshold"),
+    **_group("routes", *_MAX_POOLS, "max_pool2d_with_indices"),
+    # masked_fill may broadcast its input over the mask; scatter/setitem gather what they wrote.
+    **_group("sums", "expand", "expand_as", "repeat", "tile", "repeat_interleave", "index_select", "gather",
+             "scatter", "setitem", "embedding", "embedding_bag", "masked_fill"),
+})
+
+# -- placement (passes/minimize_casts.py) --------------------------------------
+# Ops that compute a float tensor from float tensors and are legal in either precision: a FOLLOW
+# node of one is free to move between low and fp32.  (expand_as/view_as are not: their second
+# input gives only a shape.  cat/stack are PROMOTE ops, which move with their inputs.)
+_EITHER_PRECISION = frozenset({
+    "add", "sub", "mul", "div", "where", "maximum", "minimum", "lerp", "rsub",
+    "relu", "relu6", "neg", "abs", "sign", "clamp", "clamp_min", "clamp_max", "hardtanh", "threshold",
+    "gelu", "silu", "sigmoid", "tanh", "leaky_relu", "elu", "selu", "celu", "hardswish", "hardsigmoid",
+    "mish", "sqrt", "square", "sin", "cos", "erf",
+    "view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "contiguous", "squeeze",
+    "unsqueeze", "narrow", "select", "slice", "flip", "roll", "clone", "detach", "identity", "pad",
+    "constant_pad_nd", "tril", "triu", "alias", "unsafe_view", "_unsafe_view", "getitem", "cat", "stack",
+    "expand", "repeat", "index_select", "gather", "masked_fill", "max_pool1d", "max_pool2d", "max_pool3d",
+    "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+    "adaptive_avg_pool3d", "dropout", "mean", "amax", "amin",
+})
+# Ops that read several tensors and run in the widest of them themselves (add(fp32, low) needs no cast).
+_NATIVE_PROMOTION = frozenset({"add", "sub", "mul", "div", "where", "maximum", "minimum", "lerp", "rsub"})
+# Ops a cast of a parameter may be hoisted above (passes/dedupe_casts.py): one tensor in, exact under
+# rounding.  Not expand: its backward would sum over the broadcast in the low dtype.
+_CAST_HOISTABLE = frozenset({
+    "t", "transpose", "permute", "view", "reshape", "contiguous", "unsqueeze", "squeeze",
+    "flatten", "getitem", "select", "narrow", "detach", "view_as", "alias", "unflatten",
+})
+# Ops whose result is larger than their input by a factor read off literal arguments (cost estimates).
+_GROWS = frozenset({"repeat", "tile", "repeat_interleave", "expand"})
+
+# -- kernels ------------------------------------------------------------------
+# (Not batch_norm: CPU's mixed backward gives a 1.17x larger input-gradient error than the cast form
+# against fp64.  At O1 batch_norm follows its input anyway; only a policy pins it fp32.)
+FUSED_FORMS: Mapping[str, FusedForm] = MappingProxyType({
+    "group_norm": FusedForm(frozenset({"cpu"}), "group_norm"),
+    "instance_norm": FusedForm(frozenset({"cpu"}), "instance_norm"),
+    "layer_norm": FusedForm(frozenset({"cpu"}), "layer_norm without weight and bias"),
+})
+# Where F.layer_norm/group_norm and F.batch_norm/instance_norm take their weight and bias.
+_WEIGHT_BIAS_ARGS = MappingProxyType({"layer_norm": (2, 3), "group_norm": (2, 3), "batch_norm": (3, 4),
+                                      "instance_norm": (3, 4)})
+# GEMMs passes/pad_gemm.py pads: names of (activation, weight, bias) arguments, in positional order.
+_GEMM_ARGS: Mapping[str, tuple] = MappingProxyType({
+    "linear": ("input", "weight", "bias"),
+    "matmul": ("input", "other"), "mm": ("input", "mat2"), "bmm": ("input", "mat2"),
+    "addmm": ("input", "mat1", "mat2"), "baddbmm": ("input", "batch1", "batch2"),
+    "conv1d": ("input", "weight", "bias"), "conv2d": ("input", "weight", "bias"),
+    "conv3d": ("input", "weight", "bias"), "convolution": ("input", "weight", "bias"),
+})
+
+# -- module hook boundaries (amp_fx/frontend/module_hooks.py) --------------------
+# enter/exit pass a token; module_hook_value(x, token, i) is x as the hooks left it.
+HOOK_BOUNDARY_OPS = frozenset({"module_hook_enter", "module_hook_exit"})
+HOOK_VALUE_OP = "module_hook_value"
+
+# -- result kinds for the analysis's dtype-only mode (amp_fx/ir/dtype_rules.py) --
+# Ops in LOW or FP32 whose tensor result is floating whatever arrives; these keep an integer input's dtype.
+_INTEGER_PRESERVING = frozenset({"sum", "prod", "cumsum", "cumprod", "pow"})
+_NON_FLOAT_RESULT = frozenset({
+    "eq", "ne", "lt", "le", "gt", "ge", "isfinite", "isnan", "isinf", "logical_and", "logical_or", "logical_not",
+    "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "argmax", "argmin", "any", "all", "one_hot", "equal",
+    "nonzero", "searchsorted", "bucketize",
+})
+_NON_TENSOR_RESULT = frozenset({"size", "dim", "numel", "ndimension", "nelement", "stride", "is_floating_point",
+                                "item", "tolist", "equal", "is_contiguous", "data_ptr"})
+# Ops that return several tensors (their items are read with getitem).
+_TUPLE_RESULT = frozenset({"split", "chunk", "unbind", "split_with_sizes", "topk", "sort", "var_mean", "std_mean",
+                           "lstm", "gru", "rnn_tanh", "rnn_relu", "native_dropout", "max_pool2d_with_indices",
+                           "multi_head_attention"})
+# Data movement keeps its first input's dtype, except where an index tensor comes first (F.embedding).
+_NOT_FIRST_DTYPE = frozenset({"embedding", "embedding_bag", "one_hot"})
+_REAL_OF_COMPLEX = frozenset({"view_as_real", "real", "imag", "abs", "angle"})
+_COMPLEX_RESULT = frozenset({"view_as_complex", "polar", "complex"})
+
+
+@dataclass(frozen=True)
+class OpProperties:
+    """Everything amp_fx knows about one canonical op (defaults: nothing known)."""
+
+    name: Optional[str]
+    table: str = "unknown"  # low | fp32 | promote | banned | follow | unknown (amp_fx/ir/tables.py)
+    reason: str = ""  # the table's one-line reason
+    data_movement: bool = False  # only moves data: follows its input at every level
+    view: bool = False  # returns a view of its first input
+    may_alias: bool = False  # its result may share memory with its first input (views, data movement, casts)
+    cast: bool = False  # a cast the model wrote (never decided, only read)
+    cast_dtype: Optional[torch.dtype] = None  # a named cast's target (x.half() -> float16)
+    non_float_cast: bool = False  # x.long(), x.bool(): an integer or bool tensor
+    rounding_forward: bool = False  # f(round(x)) == round(f(x))
+    backward: str = "computes"  # one of BACKWARD_KINDS
+    either_precision: bool = False  # free to move between low and fp32 (minimize_casts)
+    native_promotion: bool = False  # runs in the widest of several inputs by itself
+    cast_hoistable: bool = False  # a parameter's cast may be hoisted above it (dedupe_casts)
+    grows: bool = False  # result larger than its input by literal factors (repeat, expand)
+    fused_form: Optional[FusedForm] = None  # a verified mixed-dtype kernel for its fp32 decision
+    weight_bias_args: Optional[tuple] = None  # positions of weight and bias (norms)
+    gemm_args: Optional[tuple] = None  # argument names of (activation, weight, bias): a GEMM pad_gemm pads
+    norm: Optional[str] = None  # "statistics" (fp32 under keep_batchnorm_fp32) | "input_dtype" (follows its input)
+    hook: Optional[str] = None  # "boundary" (enter/exit token) | "value" (a value out of a boundary)
+    export_check: bool = False  # a check torch.export records: no result, no arithmetic
+    float_result: bool = False  # its tensor result is floating whatever arrives
+    non_float_result: bool = False  # its result is never floating
+    non_tensor_result: bool = False  # its result is not a tensor
+    tuple_result: bool = False  # returns several tensors
+    keeps_first_dtype: bool = False  # its result has its first input's dtype
+    real_of_complex: bool = False  # the real part of a complex input is real
+    complex_result: bool = False  # makes complex values
+    fp8: bool = False  # may run in an fp8 dtype (filled by the fp8 work; False until verified)
+
+    @property
+    def exact_under_rounding(self) -> bool:
+        """Forward and backward commute with rounding: it may run low where its result is rounded low anyway."""
+        return self.rounding_forward and self.backward in ("moves", "none")
+
+
+@lru_cache(maxsize=None)
+def of(op: Optional[str]) -> OpProperties:
+    """The properties of canonical op ``op`` (None, or an op listed nowhere: the defaults)."""
+    if op is None:
+        return OpProperties(None)
+    table = tables.table_of(op)
+    norm = None
+    if op in tables.NORM_OPS:  # batch/instance norm FOLLOW their input (fp32 statistics inside)
+        norm = "input_dtype" if table == "follow" else "statistics"
+    return OpProperties(
+        name=op, table=table, reason=tables.all_tables()[table][op] if table != "unknown" else "",
+        data_movement=op in tables.DATA_MOVEMENT, view=op in _VIEWS,
+        may_alias=op in _VIEWS or op in tables.DATA_MOVEMENT or op in CAST_OPS,
+        cast=op in CAST_OPS, cast_dtype=_CASTS.get(op), non_float_cast=op in _NON_FLOAT_CASTS,
+        rounding_forward=op in _ROUNDING_FORWARD, backward=_BACKWARD.get(op, "computes"),
+        either_precision=op in _EITHER_PRECISION, native_promotion=op in _NATIVE_PROMOTION,
+        cast_hoistable=op in _CAST_HOISTABLE, grows=op in _GROWS, fused_form=FUSED_FORMS.get(op),
+        weight_bias_args=_WEIGHT_BIAS_ARGS.get(op), gemm_args=_GEMM_ARGS.get(op), norm=norm,
+        hook="boundary" if op in HOOK_BOUNDARY_OPS else "value" if op == HOOK_VALUE_OP else None,
+        export_check=op in tables.EXPORT_CHECKS,
+        float_result=table in ("low", "fp32") and op not in _INTEGER_PRESERVING,
+        non_float_result=op in _NON_FLOAT_RESULT, non_tensor_result=op in _NON_TENSOR_RESULT,
+        tuple_result=op in _TUPLE_RESULT,
+        keeps_first_dtype=op in tables.DATA_MOVEMENT and op not in _NOT_FIRST_DTYPE,
+        real_of_complex=op in _REAL_OF_COMPLEX, complex_result=op in _COMPLEX_RESULT,
+    )
+
+
+def exact_under_rounding(op: Optional[str]) -> bool:
+    """``of(op).exact_under_rounding``: forward and backward commute with rounding (module docstring)."""
+    return of(op).exact_under_rounding
+
+
+def exact_under_rounding_at(node: fx.Node, *, routes: bool = False) -> bool:
+    """The node's op commutes with rounding forward and backward at this use (``routes``: max pooling counts too).
+
+    ``x[idx]`` with a tensor index is a gather.  A node that reads one value
+    twice (``cat([x] * 64)``) is not exact either: autograd sums the
+    gradients of the copies into that value, in the low dtype were the node
+    run low (measured: x.grad 3.6x further from fp64 than autocast's for
+    64 copies), so its backward sums like ``repeat``'s.
+    """
+    op = node.meta.get(meta.OP)
+    props = of(op)
+    if not (props.exact_under_rounding or (routes and props.rounding_forward and props.backward == "routes")):
+        return False
+    if op == "getitem":
+        indices: list[fx.Node] = []
+        map_arg(node.args[1:], indices.append)
+        return not indices
+    uses: list[fx.Node] = []
+    map_arg((node.args, node.kwargs), uses.append)
+    return len(uses) == len(set(uses))
+
+
+@lru_cache(maxsize=None)
+def known_ops() -> frozenset:
+    """Every op some table or property names (a policy's ``op:`` name outside these is a likely misspelling)."""
+    named = set().union(*tables.all_tables().values(), CAST_OPS, _VIEWS, _BACKWARD, _EITHER_PRECISION, _GEMM_ARGS,
+                        _NON_FLOAT_RESULT, _NON_TENSOR_RESULT, _TUPLE_RESULT, HOOK_BOUNDARY_OPS, {HOOK_VALUE_OP})
+    return frozenset(named)
