@@ -2,7 +2,7 @@
 
 ``amp_fx.calibrate(model, batches, "O1", dtype=torch.float16)`` converts the
 model, then runs every batch through the converted graph and its fp32 twin
-(:class:`amp_fx.inspection.find_overflow.TwinRun`) node by node, in eval mode, and measures
+(:class:`amp_fx.inspection.twin_run.TwinRun`) node by node, in eval mode, and measures
 for each node:
 
 * the largest magnitude its value reaches in fp32 -- a node whose value is
@@ -42,9 +42,9 @@ from torch.fx.node import map_arg
 from amp_fx.ir import meta, tables
 from amp_fx.converter.api import convert
 from amp_fx.converter.graph_module import AmpGraphModule
-from amp_fx.inspection.find_overflow import (
-    LOW_DTYPES, TwinRun, pin_targets, float_tensors, max_abs, nonfinite_count, plain_containers, value_dtype,
-)
+from amp_fx.inspection.overflow_report import pin_targets
+from amp_fx.inspection.twin_run import TwinRun
+from amp_fx.inspection.values import LOW_DTYPES, float_tensors, max_abs, nonfinite_count, plain_containers, value_dtype
 from amp_fx.ir.policy import Policy
 from amp_fx.passes.propagate_meta import eval_mode
 from amp_fx.errors import PACKAGE, AmpValueError, unknown_options_error

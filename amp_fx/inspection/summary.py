@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from amp_fx.ir import meta
 from amp_fx.ir.cast_nodes import is_inserted_cast
-from amp_fx.inspection.find_overflow import plain_containers
+from amp_fx.inspection.values import plain_containers
 from amp_fx.converter.report import ConversionReport, build_report
 from amp_fx.passes.propagate_meta import eval_mode
 from amp_fx.errors import AmpTypeError
