@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from amp_fx.ir.op_properties import CAST_OPS  # ops that are themselves casts (re-exported; defined with every op property)
 
-__all__ = ["canonical_op", "is_inplace", "CAST_OPS", "module_op_name", "op_name_of"]
+__all__ = ["canonical_op", "is_inplace", "CAST_OPS", "module_op_name", "op_name_of", "callable_op_name"]
 
 # ATen spellings that mean the same op as a torch-level name.
 _ATEN_ALIASES = {
@@ -246,6 +246,15 @@ def op_name_of(spelling: str) -> str:
         last = last[1:] + "_" if last.startswith("i") and last[1:] in _DUNDER_INPLACE else last
     name, _ = _strip_inplace(last)
     return _ATEN_ALIASES.get(name, _PY_ALIASES.get(name, name))
+
+
+def callable_op_name(target: Callable) -> str:
+    """The canonical name of the op a callable runs, as a ``call_function`` node of it is named.
+
+    ``torch.softmax``, ``F.softmax`` and ``torch.ops.aten.softmax.int`` are all ``"softmax"``, so a
+    policy keyed by one callable decides every spelling of its op, as an ``"op:"`` name does.
+    """
+    return _function_name(target, ())[0]
 
 
 def _resolve(node: fx.Node, root: Optional[nn.Module]) -> tuple[Optional[str], bool]:

@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from amp_fx.errors import AmpTypeError, AmpValueError
 from amp_fx.ir import op_properties
-from amp_fx.ir.op_keys import op_name_of
+from amp_fx.ir.op_keys import callable_op_name, op_name_of
 
 __all__ = ["Policy", "DECISIONS", "PolicyRule"]
 
@@ -223,7 +223,8 @@ class Policy:
                 if rule.kind == "type" and isinstance(module_type, type) and issubclass(module_type, rule.key):
                     return rule
         for rule in latest_first:
-            if rule.kind == "op" and (rule.key == op if isinstance(rule.key, str) else rule.key is target):
+            if rule.kind == "op" and (rule.key == op if isinstance(rule.key, str) else
+                                      rule.key is target or (op is not None and callable_op_name(rule.key) == op)):
                 return rule
         return None
 

@@ -155,6 +155,10 @@ DATA_MOVEMENT: frozenset[str] = frozenset({
         "zeros_like", "ones_like", "empty_like", "full_like", "new_zeros",
         "new_ones", "new_empty", "new_full", "size", "dim", "numel",
         "getattr", "alias", "lift_fresh_copy", "unsafe_view", "_unsafe_view",
+        # Views that select or reorder elements: a write through one must reach its input, so
+        # they follow it at every level (O2 never casts a buffer before a write through its diagonal).
+        "diagonal", "as_strided", "unfold", "movedim", "moveaxis", "swapaxes", "swapdims", "adjoint",
+        "tensor_split", "hsplit", "vsplit", "dsplit",
 })
 
 # Checks that torch.export records in a graph (no result, no arithmetic).
