@@ -240,12 +240,30 @@ def op_name_of(spelling: str) -> str:
     module_type = getattr(nn, parts[-1], None)
     if isinstance(module_type, type) and issubclass(module_type, nn.Module):  # "nn.LayerNorm", "Softmax"
         return _module_type_op_name(module_type)
+    resolved = _torch_object(parts)
+    if resolved is not None:  # "torch.special.erfcx" is the op a graph names "special_erfcx"
+        return callable_op_name(resolved)
     last = parts[-1]
     if last.startswith("__") and last.endswith("__") and len(last) > 4:  # "__add__", "__iadd__"
         last = last[2:-2]
         last = last[1:] + "_" if last.startswith("i") and last[1:] in _DUNDER_INPLACE else last
     name, _ = _strip_inplace(last)
     return _ATEN_ALIASES.get(name, _PY_ALIASES.get(name, name))
+
+
+_SPELLING_ROOTS = {"torch": torch, "F": torch.nn.functional}
+
+
+def _torch_object(parts: list[str]) -> Optional[Callable]:
+    """The function a dotted torch spelling names (``torch.special.erfcx``, ``F.gelu``), or None."""
+    if len(parts) < 2 or parts[0] not in _SPELLING_ROOTS or parts[:2] == ["torch", "ops"]:
+        return None  # "aten.x" and "torch.ops.aten.x.overload" keep their own rule
+    value: Any = _SPELLING_ROOTS[parts[0]]
+    for part in parts[1:]:
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value if callable(value) and not isinstance(value, type) else None
 
 
 def callable_op_name(target: Callable) -> str:

@@ -39,3 +39,14 @@ def test_F_softmax_as_a_key_decides_a_torch_softmax_call():
     # softmax of bf16 logits: within a few bf16 roundings of fp32 (probabilities are at most 1).
     got = amp_fx.convert(model, "O1", dtype=torch.bfloat16, policy={F.softmax: "low"})(x)
     assert (got.float() - model(x)).abs().max() <= 8 * 2 ** -8
+
+
+@pytest.mark.parametrize("spelling, function", [("torch.fft.fft", torch.fft.fft), ("torch.linalg.solve", torch.linalg.solve),
+                                                ("torch.special.erfcx", torch.special.erfcx)])
+def test_a_dotted_torch_spelling_names_the_op_its_traced_call_is(spelling, function):
+    # The CLI (tables --op) and policy "op:" names resolve through this; "torch.fft.fft" was "fft", no graph's name.
+    from amp_fx.ir.op_keys import canonical_op, op_name_of
+
+    graph = torch.fx.Graph()
+    node = graph.call_function(function, (graph.placeholder("x"),))
+    assert op_name_of(spelling) == canonical_op(node)
