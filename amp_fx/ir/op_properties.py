@@ -91,14 +91,17 @@ _BACKWARD: Mapping[str, str] = MappingProxyType({
              "unsqueeze", "narrow", "select", "slice", "flip", "roll", "clone", "identity", "pad", "constant_pad_nd",
              "tril", "triu", "alias", "unsafe_view", "_unsafe_view", "getitem", "split", "chunk", "unbind",
              "split_with_sizes", "masked_select", "view_as", "lift_fresh_copy", "getattr", "cat", "stack",
-             "relu", "neg", "abs"),
+             "relu", "neg", "abs", "diagonal", "movedim", "moveaxis", "swapaxes", "swapdims", "adjoint",
+             "tensor_split", "hsplit", "vsplit", "dsplit"),
     **_group("none", "detach", "zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones",
              "new_empty", "new_full", "size", "dim", "numel", "one_hot", "sign"),
     **_group("masks", "clamp", "clamp_min", "clamp_max", "hardtanh", "relu6", "threshold"),
     **_group("routes", *_MAX_POOLS, "max_pool2d_with_indices"),
     # masked_fill may broadcast its input over the mask; scatter/setitem gather what they wrote.
     **_group("sums", "expand", "expand_as", "repeat", "tile", "repeat_interleave", "index_select", "gather",
-             "scatter", "setitem", "embedding", "embedding_bag", "masked_fill"),
+             "scatter", "setitem", "embedding", "embedding_bag", "masked_fill",
+             # overlapping windows read one element several times: its gradient is their sum
+             "unfold", "as_strided"),
 })
 
 # -- placement (passes/minimize_casts.py) --------------------------------------
