@@ -23,7 +23,8 @@ import torch
 import amp_fx
 import zoo
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))  # tests/converter/: this module, imported by the subprocess
+TESTS_DIR = os.path.dirname(HERE)  # tests/: zoo.py
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 # (model, level, dtype, with example inputs): symbolic-trace and torch.export routes, every level, a leaf
 # module with cast parameters, and FakeTensor propagation (which runs leaf modules such as BatchNorm).
@@ -79,7 +80,7 @@ def test_one_model_converted_from_many_threads_at_once():
 
 _SCRIPT = """
 import json, sys
-sys.path[:0] = [{tests!r}, {root!r}]
+sys.path[:0] = [{here!r}, {tests!r}, {root!r}]
 import test_concurrency as t
 print(json.dumps([t._digest(t.fingerprint(*case)) for case in t.PROCESS_CASES]))
 """
@@ -87,9 +88,9 @@ print(json.dumps([t._digest(t.fingerprint(*case)) for case in t.PROCESS_CASES]))
 
 @pytest.mark.slow
 def test_conversion_is_deterministic_across_processes():
-    script = _SCRIPT.format(tests=TESTS_DIR, root=REPO_ROOT)
+    script = _SCRIPT.format(here=HERE, tests=TESTS_DIR, root=REPO_ROOT)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, TESTS_DIR, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, TESTS_DIR, HERE, env.get("PYTHONPATH")) if p)
     runs = []
     for seed in ("1", "2"):
         runs.append(subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, stdout=subprocess.PIPE,

@@ -14,6 +14,8 @@ regression tests the fuzzer's findings became (``test_fuzz_regressions.py``).
   cast, and (with example inputs) no cast to a tensor's own dtype;
 - integer and bool tensors are never cast (counted under a dispatch mode
   against the fp32 model's own casts);
+- every dtype and shape the dtype analysis predicted is what ran
+  (``fuzz/predictions.py``'s ``check_predictions``);
 - converting again, or re-running the pipeline on the result, changes nothing;
 - outputs are within tolerance of the fp32 model, integer outputs equal;
 - every parameter that gets a gradient in the fp32 model gets one.
@@ -31,12 +33,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import amp_fx
-from amp_fx.ir import meta, tables
+from amp_fx.ir import tables
 from amp_fx.ir.cast_nodes import cast_source, cast_target, is_inserted_cast
 from amp_fx.errors import UnsupportedConstructError
 from amp_fx.ir.op_keys import CAST_OPS
 from amp_fx.ir.pass_manager import PassContext
 from amp_fx.converter.pipeline import rewrite_graph
+from fuzz.predictions import Recorder, check_predictions
 
 __all__ = ["LEVELS", "LOW_DTYPES", "DispatchProbe", "Reference", "reference_run", "check_conversion", "check_model", "tolerance"]
 
@@ -131,29 +134,6 @@ def reference_run(model: torch.nn.Module, make_inputs: Callable[[], tuple]) -> R
         grads = None
         model.zero_grad(set_to_none=True)
     return Reference([t.detach() for t in _leaves(out)], dict(counter.counts), grads)
-
-
-class Recorder(fx.Interpreter):
-    """Runs a graph node by node, keeping each node's float input dtypes and result dtype."""
-
-    def __init__(self, gm: fx.GraphModule):
-        super().__init__(gm)
-        self.inputs: dict[str, list[torch.dtype]] = {}
-        self.result: dict[str, Optional[torch.dtype]] = {}
-        self.shapes: dict[str, tuple] = {}
-        self.sources: dict[str, Optional[torch.dtype]] = {}
-
-    def run_node(self, node: fx.Node) -> Any:
-        args, kwargs = self.fetch_args_kwargs_from_env(node)
-        self.inputs[node.name] = [t.dtype for t in tree_leaves((args, kwargs))
-                                  if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0]
-        first = args[0] if args else None
-        self.sources[node.name] = first.dtype if isinstance(first, torch.Tensor) else None
-        result = super().run_node(node)
-        self.result[node.name] = result.dtype if isinstance(result, torch.Tensor) else None
-        if isinstance(result, torch.Tensor):
-            self.shapes[node.name] = tuple(result.shape)
-        return result
 
 
 def _alias_root(node: fx.Node) -> fx.Node:
@@ -255,36 +235,6 @@ def _check_runtime_dtypes(gm: fx.GraphModule, recorder: Recorder, low: torch.dty
             assert set(seen) <= allowed, f"{node.name} ({node.meta.get('amp_fx.op')}) is fp32 but reads {seen}"
         elif decision == "promote":
             assert len(set(seen)) <= 1, f"{node.name} ({node.meta.get('amp_fx.op')}) promotes but reads {seen}"
-
-
-def check_predictions(gm: fx.GraphModule, recorder: Recorder, exact: bool) -> int:
-    """The dtype analysis told the truth: each node's predicted dtype and shape are what the module produced.
-
-    ``exact``: every floating value's dtype must be predicted (example inputs
-    were given); otherwise the analysis may say "unknown", never something
-    wrong -- with one documented assumption: a floating input of unknown dtype
-    is taken not to be float64 (a guarded cast leaves float64 as it is, so a
-    float64 value downstream of one runs correctly in float64, as under autocast).
-    Returns how many values were checked.
-    """
-    checked = 0
-    for node in gm.graph.nodes:
-        dtype = recorder.result.get(node.name)
-        if dtype is None or node.op == "output":
-            continue
-        assert meta.is_tensor(node) is not False, f"{node.name} was predicted not to be a tensor"
-        if dtype.is_floating_point:
-            predicted = meta.float_dtype(node)
-            assert meta.is_float(node) is not False, f"{node.name} was predicted not floating"
-            guarded_float64 = not exact and dtype == torch.float64
-            assert predicted == dtype or (not exact and predicted is None) or guarded_float64, \
-                f"{node.name}: predicted {predicted}, ran {dtype}"
-        else:
-            assert meta.is_float(node) is not True, f"{node.name} ({dtype}) was predicted floating"
-        shape = meta.shape(node)
-        assert shape is None or tuple(shape) == recorder.shapes[node.name], f"{node.name}: shape {shape}, ran {recorder.shapes[node.name]}"
-        checked += 1
-    return checked
 
 
 def _check_against_autocast(model: torch.nn.Module, probe: DispatchProbe, make_inputs: Callable, dtype: torch.dtype) -> None:

@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
 import amp_fx
-from fuzz.invariants import LEVELS, LOW_DTYPES, Recorder, check_model, check_predictions, reference_run, tolerance
+from fuzz.invariants import LEVELS, LOW_DTYPES, check_model, reference_run, tolerance
+from fuzz.predictions import Recorder, check_predictions
 from fuzz.strategies import CATEGORIES, OPS, build_model, make_inputs, programs
 
 # Hypothesis keeps caches (and, on a failure, patches) under its home directory: not in the repository.

@@ -1,4 +1,10 @@
-"""Inference reuses each weight's cast across forwards; any change to a parameter is seen; training is unchanged."""
+"""The weight-cast cache (amp_fx/graph_ops/cast_cache.py) at run time: inference reuses each weight's cast across
+forwards; any change to a parameter is seen; training is unchanged.
+
+This is the cache's layer, through ``convert(cache_casts=True)``.  Which casts the pass turns into cached casts
+(weights', not inputs', nor one that reaches the output), and the pass contract, are the pass's layer:
+tests/passes/test_cache_weight_casts.py.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
 from amp_fx.graph_ops.cast_cache import cached_cast, cast_cache_size, clear_cast_cache
+from probes import CAST_OPS, OpRecorder
 
 
 class ParamCasts(TorchDispatchMode):
@@ -86,7 +93,32 @@ def _fresh_reference(model, x):
         return amp_fx.convert(model, "O1", dtype=torch.bfloat16, cache_casts=False)(x)
 
 
-@pytest.mark.parametrize("change", ["in_place", "load_state_dict", "optimizer_step", "data_swap", "new_parameter"])
+def test_an_in_place_update_recasts_that_weight_only_and_matches_a_fresh_conversion_bit_for_bit():
+    """Under no_grad every weight's cast is served after the first forward; an in-place update bumps the version
+    counter, so that weight alone is cast again, and the output is a fresh conversion's bit for bit (the same casts
+    and GEMMs run on both sides)."""
+    torch.manual_seed(0)
+    model = _mlp()
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16, cache_casts=True)
+    x = torch.randn(8, 16)
+    counts = []
+    with torch.no_grad():
+        for _ in range(3):
+            with ParamCasts(model.parameters()) as probe, OpRecorder() as every:
+                before = gm(x)
+            counts.append((probe.count, every.count(CAST_OPS)))
+        # Three Linear layers, weight and bias, then all served; the other four casts (the input's, the
+        # output's, the LayerNorm's) run on every forward.
+        assert counts == [(6, 10), (0, 4), (0, 4)], counts
+        model[0].weight.mul_(-2.0)
+        with ParamCasts(model.parameters()) as probe, OpRecorder() as every:
+            after = gm(x)
+        assert (probe.count, every.count(CAST_OPS)) == (1, 5)  # the updated weight only
+    assert not torch.equal(after, before)
+    assert torch.equal(after, _fresh_reference(model, x))
+
+
+@pytest.mark.parametrize("change", ["load_state_dict", "optimizer_step", "data_swap", "new_parameter"])
 def test_a_changed_parameter_is_never_served_a_stale_cast(change):
     torch.manual_seed(0)
     model = _mlp()
@@ -96,10 +128,7 @@ def test_a_changed_parameter_is_never_served_a_stale_cast(change):
         before = gm(x)
         gm(x)  # served from the cache
     first = model[0]
-    if change == "in_place":
-        with torch.no_grad():
-            first.weight.mul_(-2.0)
-    elif change == "load_state_dict":
+    if change == "load_state_dict":
         state = {k: v * 0.5 for k, v in model.state_dict().items()}
         gm.load_state_dict(state)
     elif change == "optimizer_step":
@@ -131,11 +160,15 @@ def test_training_gets_gradients_and_frees_the_inference_copies():
     with torch.no_grad():
         gm(x)
     assert cast_cache_size() == 6  # three Linear layers, weight and bias
-    with ParamCasts(model.parameters()) as probe:
-        loss = gm(x).square().sum()
-    assert probe.count == 6  # training casts every weight, as an autograd op
+    counts = []
+    for _ in range(2):
+        with ParamCasts(model.parameters()) as probe, OpRecorder() as every:
+            loss = gm(x).square().sum()
+        counts.append((probe.count, every.count(CAST_OPS)))
+    # Training casts every weight on every forward, as an autograd op (nothing is served), and the other four casts.
+    assert counts == [(6, 10), (6, 10)], counts
     loss.backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 and p.grad.abs().sum() > 0 for p in model.parameters())
     assert cast_cache_size() == 0  # the autograd path dropped what inference cached
     reference = _mlp()
     reference.load_state_dict(model.state_dict())

@@ -11,7 +11,7 @@ from amp_fx.ir import meta
 from amp_fx.ir.cast_nodes import CastBuilder, is_inserted_cast
 from amp_fx.passes.analyse_dtypes import analyse_dtypes
 from amp_fx.passes.propagate_meta import propagate_meta
-from tests.pass_check import prepare
+from pass_check import prepare
 
 
 class _Shapes(fx.Interpreter):

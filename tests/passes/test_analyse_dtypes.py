@@ -20,6 +20,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 import amp_fx
 import zoo
 from amp_fx.ir import meta
+from fuzz.predictions import Recorder, check_predictions
 from random_cast_graphs import random_graph
 
 LOW = (torch.float16, torch.bfloat16)
@@ -289,38 +290,11 @@ def test_a_repeated_value_is_cast_after_the_repeat_as_autocast_does(with_example
 # --------------------------------------------------------------------------
 # The analysis tells the truth
 # --------------------------------------------------------------------------
-class _Recorder(fx.Interpreter):
-    """Records every node's real value in the converted module."""
-
-    def __init__(self, gm):
-        super().__init__(gm)
-        self.seen = {}
-
-    def run_node(self, node):
-        value = super().run_node(node)
-        self.seen[node] = value
-        return value
-
-
 def _check_predictions(gm: fx.GraphModule, inputs: tuple, exact: bool = True) -> int:
-    """Compare every prediction with the recorded value; ``exact=False`` lets the analysis say "unknown"."""
-    recorder = _Recorder(gm)
+    """Run ``gm`` on ``inputs`` and compare every prediction with what ran (tests/fuzz/predictions.py's checker)."""
+    recorder = Recorder(gm)
     recorder.run(*inputs)
-    checked = 0
-    for node, value in recorder.seen.items():
-        if not isinstance(value, torch.Tensor) or node.op == "output":
-            continue
-        assert meta.is_tensor(node) is not False, node.name
-        if value.is_floating_point():
-            assert meta.is_float(node) is not False, node.name
-            predicted = meta.float_dtype(node)
-            assert predicted == value.dtype or (not exact and predicted is None), (node.name, predicted, value.dtype)
-        else:
-            assert meta.is_float(node) is not True, node.name
-        shape = meta.shape(node)
-        assert shape is None or tuple(shape) == tuple(value.shape), (node.name, shape, value.shape)
-        checked += 1
-    return checked
+    return check_predictions(gm, recorder, exact)
 
 
 @pytest.mark.parametrize("name", sorted(zoo.CORE_MODELS))

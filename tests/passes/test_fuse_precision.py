@@ -20,7 +20,7 @@ from amp_fx.ir import meta
 from amp_fx.graph_ops.fused_norms import layer_norm_fp32_stats
 from amp_fx.passes.fuse_precision import fuse_precision
 from amp_fx.passes.insert_casts import insert_casts
-from tests.pass_check import check
+from pass_check import check
 
 LOW = (torch.bfloat16, torch.float16)
 

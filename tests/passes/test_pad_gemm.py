@@ -1,11 +1,14 @@
 """Tests for passes/pad_gemm: K and N padded to multiples of 8, while users never see a padded shape.
 
-``check()`` (after torch's test_cse_pass) converts a model with and without
-padding and asserts: the node-count delta, ``modified`` is honest, a second
-run changes nothing, outputs and gradients (inputs and parameters) equal the
-unpadded graph's, output shapes and strides are identical, every GEMM in the
-padded graph runs on K and N that are multiples of 8, and ``state_dict()`` is
-the model's.
+``check()`` converts a model with and without padding and asserts
+tests/pass_check.py's contract (after torch's test_cse_pass) on the two
+conversions, the one without the pass standing for the graph the pass ran on:
+the node-count delta, ``modified`` is honest, the graph lints, a second run
+changes nothing, outputs and gradients are within bf16 tolerance of fp32.  Its
+own extras: outputs and gradients (inputs and parameters) equal the unpadded
+graph's, output shapes and strides are identical, every GEMM in the padded
+graph runs on K and N that are multiples of 8, and ``state_dict()`` is the
+model's.
 
 "Equal" is bit for bit under :class:`ExactGemms`, where both graphs run each
 low-precision GEMM exactly; with the CPU's own kernels they agree to the low
@@ -27,9 +30,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import amp_fx
 from amp_fx.ir import meta
 from amp_fx.ir.config import make_config
-from amp_fx.ir.pass_manager import PassContext
+from amp_fx.ir.pass_manager import PassContext, PassResult
 from amp_fx.converter.pipeline import build_pipeline
 from amp_fx.passes.pad_gemm import MIN_WORK, find_gemm, pad_gemm, should_pad
+from pass_check import Snapshot, assert_contract
 
 ALIGN = 8
 
@@ -104,14 +108,12 @@ def check(model, example, *, delta, level="O1", dtype=torch.bfloat16, **kwargs):
     plain = amp_fx.convert(model, level, pad_gemm=False, **common)
     padded = amp_fx.convert(model, level, pad_gemm=True, **common)
     stats = padded.amp_report.passes["pad_gemm"]
-    assert len(padded.graph.nodes) - len(plain.graph.nodes) == delta
-    assert stats["modified"] == (delta > 0) == (stats["padded"] > 0)
-    # A second run finds nothing left to pad.
+    # The contract, on whole conversions: the unpadded one stands for the graph pad_gemm ran on.
     ctx = PassContext(config=padded.amp_config, example_inputs=example)
-    nodes = len(padded.graph.nodes)
-    again = pad_gemm(padded, ctx)
-    assert not again.modified and len(padded.graph.nodes) == nodes and again.stats["padded"] == 0
-    padded.graph.lint()
+    again = assert_contract(pad_gemm, ctx, Snapshot.of(plain), PassResult(padded, stats["modified"], stats),
+                            delta=delta, model=model, inputs=example).again
+    assert stats["modified"] == (delta > 0) == (stats["padded"] > 0)
+    assert again.stats["padded"] == 0  # a second run finds nothing left to pad
     # Outputs and gradients match the unpadded graph's; shapes and strides are the user's.
     params = [p for p in padded.parameters()]
     out_plain, grads_plain = _run(plain, example, [p for p in plain.parameters()])
