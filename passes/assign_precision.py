@@ -72,6 +72,8 @@ def _level_decision(node: fx.Node, op: str, ctx: PassContext) -> tuple[str, str,
         if norm == "input_dtype":
             # Its parameters are low too: CPU kernels refuse an fp32 input beside them.
             return "low", f"{level}: batch norm runs low with its low parameters (keep_batchnorm_fp32=False)", "level"
+        if op_properties.of(op).loss and config.keep_losses_fp32:
+            return "fp32", f"{level}: loss kept fp32 (keep_losses_fp32=True)", "level"
         if op in tables.DATA_MOVEMENT:
             return "follow", f"{level}: data movement follows its input", "level"
         return "low", f"{level}: whole graph in low precision", "level"

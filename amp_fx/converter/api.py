@@ -161,6 +161,7 @@ def convert(
     example_kwarg_inputs: Optional[Mapping[str, Any]] = None,
     policy: Union[None, Policy, Mapping] = None,
     keep_batchnorm_fp32: Optional[bool] = None,
+    keep_losses_fp32: Optional[bool] = None,
     cast_model_outputs: Optional[torch.dtype] = None,
     leaf_modules: Sequence[Union[type, str]] = (),
     on_unknown_op: str = "follow",
@@ -187,6 +188,9 @@ def convert(
             ``{"module:decoder.head": "fp32", "op:softmax": "low"}``).
         keep_batchnorm_fp32, cast_model_outputs, minimize_casts, pad_gemm:
             override the level's preset.
+        keep_losses_fp32: O2 keeps losses computed inside the model
+            (``cross_entropy``, ``nll_loss``, ``log_softmax``, ...) fp32 (default
+            True at O2, False at O3); False runs them low, as Apex's O2 did.
         fuse_precision: run fp32 norms fed and read in low precision as one
             mixed-dtype kernel where that keeps fp32's precision (default True;
             :mod:`amp_fx.passes.fuse_precision`).
@@ -229,7 +233,8 @@ def convert(
     _check_inputs(example_inputs, example_kwarg_inputs)
     device = device_type_of(model, list(example_inputs or ()) + list((example_kwarg_inputs or {}).values()))
     config = make_config(
-        level, dtype=dtype, keep_batchnorm_fp32=keep_batchnorm_fp32, cast_model_outputs=cast_model_outputs,
+        level, dtype=dtype, keep_batchnorm_fp32=keep_batchnorm_fp32, keep_losses_fp32=keep_losses_fp32,
+        cast_model_outputs=cast_model_outputs,
         on_unknown_op=on_unknown_op, allow_banned=allow_banned, minimize_casts=minimize_casts, pad_gemm=pad_gemm,
         fuse_precision=fuse_precision, cache_casts=cache_casts,
     ).for_device(device)

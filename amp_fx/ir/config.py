@@ -35,9 +35,9 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "O1": dict(op_mode="tables", cast_params=False, keep_batchnorm_fp32=True,
                master_weights=False, loss_scale="dynamic", cast_model_outputs=torch.float32,
                minimize_casts=True),
-    "O2": dict(op_mode="all_low", cast_params=True, keep_batchnorm_fp32=True,
+    "O2": dict(op_mode="all_low", cast_params=True, keep_batchnorm_fp32=True, keep_losses_fp32=True,
                master_weights=True, loss_scale="dynamic", cast_model_outputs=torch.float32),
-    "O3": dict(op_mode="all_low", cast_params=True, keep_batchnorm_fp32=False,
+    "O3": dict(op_mode="all_low", cast_params=True, keep_batchnorm_fp32=False, keep_losses_fp32=False,
                master_weights=False, loss_scale=1.0, cast_model_outputs=torch.float32),
 }
 
@@ -73,6 +73,9 @@ class AmpConfig:
     op_mode: str = "tables"
     cast_params: bool = False
     keep_batchnorm_fp32: bool = True
+    # O2: losses (cross_entropy, nll_loss, log_softmax, ...) computed inside the model stay fp32, as norms do;
+    # False restores Apex's O2, which ran them low.  (At O1 the tables already keep them fp32.)
+    keep_losses_fp32: bool = False
     master_weights: bool = False
     loss_scale: Union[float, str] = "dynamic"
     cast_model_outputs: Optional[torch.dtype] = None
@@ -142,7 +145,7 @@ def make_config(level: str = "O1", **overrides: Any) -> AmpConfig:
         raise AmpValueError(
             f"cast_model_outputs must be a torch.dtype, False (keep the graph's dtypes) or None (the level's "
             f"default), got {settings['cast_model_outputs']!r}")
-    for flag in ("keep_batchnorm_fp32", "master_weights", "allow_banned", "minimize_casts", "cast_params", "fuse_precision",
+    for flag in ("keep_batchnorm_fp32", "keep_losses_fp32", "master_weights", "allow_banned", "minimize_casts", "cast_params", "fuse_precision",
                  "cache_casts"):
         if not isinstance(settings[flag], bool):
             raise AmpTypeError(f"{flag} must be True or False, got {settings[flag]!r}")

@@ -199,6 +199,7 @@ class OpProperties:
     weight_bias_args: Optional[tuple] = None  # positions of weight and bias (norms)
     gemm_args: Optional[tuple] = None  # argument names of (activation, weight, bias): a GEMM pad_gemm pads
     norm: Optional[str] = None  # "statistics" (fp32 under keep_batchnorm_fp32) | "input_dtype" (follows its input)
+    loss: bool = False  # a loss (or the log_softmax of one): fp32 at O2 under keep_losses_fp32
     hook: Optional[str] = None  # "boundary" (enter/exit token) | "value" (a value out of a boundary)
     export_check: bool = False  # a check torch.export records: no result, no arithmetic
     float_result: bool = False  # its tensor result is floating whatever arrives
@@ -233,7 +234,7 @@ def of(op: Optional[str]) -> OpProperties:
         rounding_forward=op in _ROUNDING_FORWARD, backward=_BACKWARD.get(op, "computes"),
         either_precision=op in _EITHER_PRECISION, native_promotion=op in _NATIVE_PROMOTION,
         cast_hoistable=op in _CAST_HOISTABLE, grows=op in _GROWS, fused_form=FUSED_FORMS.get(op),
-        weight_bias_args=_WEIGHT_BIAS_ARGS.get(op), gemm_args=_GEMM_ARGS.get(op), norm=norm,
+        weight_bias_args=_WEIGHT_BIAS_ARGS.get(op), gemm_args=_GEMM_ARGS.get(op), norm=norm, loss=op in tables.LOSSES,
         hook="boundary" if op in HOOK_BOUNDARY_OPS else "value" if op == HOOK_VALUE_OP else None,
         export_check=op in tables.EXPORT_CHECKS,
         float_result=table in ("low", "fp32") and op not in _INTEGER_PRESERVING,

@@ -23,6 +23,7 @@ __all__ = [
     "BANNED",
     "NORM_OPS",
     "DATA_MOVEMENT",
+    "LOSSES",
     "EXPORT_CHECKS",
     "LOW_PRECISION_DTYPES",
     "table_of",
@@ -160,6 +161,10 @@ DATA_MOVEMENT: frozenset[str] = frozenset({
         "diagonal", "as_strided", "unfold", "movedim", "moveaxis", "swapaxes", "swapdims", "adjoint",
         "tensor_split", "hsplit", "vsplit", "dsplit",
 })
+
+# Losses (and the log_softmax a cross-entropy decomposes into): O2 keeps them fp32, as it keeps norms
+# (keep_losses_fp32); a loss over a vocabulary-sized softmax is where low precision costs most.
+LOSSES: frozenset[str] = frozenset(op for op, reason in FP32.items() if reason.startswith("loss:")) | {"log_softmax"}
 
 # Checks that torch.export records in a graph (no result, no arithmetic).
 EXPORT_CHECKS: frozenset[str] = frozenset({"_assert_tensor_metadata", "_assert_scalar", "_guards_fn",

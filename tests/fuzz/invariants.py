@@ -157,6 +157,8 @@ def _expected_decision(op: str, inplace: bool, config: Any) -> Optional[str]:
         decision = "fp32" if config.keep_batchnorm_fp32 else "low"
     elif op in _FOLLOWING_NORMS:
         decision = "follow" if config.keep_batchnorm_fp32 else "low"  # with its parameters
+    elif op in tables.LOSSES and config.keep_losses_fp32:
+        decision = "fp32"  # O2 keeps losses fp32, as it keeps norms
     elif op in tables.DATA_MOVEMENT:
         decision = "follow"
     else:

@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import amp_fx
+
 from amp_fx.ir import meta, tables
 from amp_fx.errors import BannedOpError, UnknownOpError
 from amp_fx.passes.assign_precision import assign_precision
@@ -98,3 +100,40 @@ def test_unknown_op_errors_only_when_asked_and_says_how_to_decide_it():
     gm, ctx = prepare(Unknown(), assign_precision, on_unknown_op="error")
     with pytest.raises(UnknownOpError, match=re.escape(f"policy={{'op:{op}'")):
         assign_precision(gm, ctx)
+
+
+# -- O2 keeps losses fp32 (keep_losses_fp32), as it keeps norms ----------------------------------------
+class _ClassifierWithLoss(torch.nn.Module):
+    """Logits over 100 classes and their cross-entropy, computed inside the model (as HF heads do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 100)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.fc(x), y)
+
+
+def _loss_rows(gm):
+    return {r.op: r.decision for r in gm.amp_report.nodes if r.op in ("cross_entropy", "log_softmax", "nll_loss")}
+
+
+def test_O2_keeps_a_loss_inside_the_model_fp32_and_keep_losses_fp32_False_runs_it_low_as_Apex_did():
+    torch.manual_seed(0)
+    model, x, y = _ClassifierWithLoss(), torch.randn(64, 16) * 4, torch.randint(0, 100, (64,))
+    kept = amp_fx.convert(model, "O2", dtype=torch.bfloat16)
+    apex = amp_fx.convert(model, "O2", dtype=torch.bfloat16, keep_losses_fp32=False)
+    assert _loss_rows(kept) == {"cross_entropy": "fp32"} and _loss_rows(apex) == {"cross_entropy": "low"}
+    assert kept(x, y).dtype == torch.float32
+    # Both read the same bf16 logits; the fp32 loss rounds once at the end, the low one in its softmax sums.
+    logits = F.linear(x.bfloat16(), model.fc.weight.bfloat16(), model.fc.bias.bfloat16())
+    exact = F.cross_entropy(logits.double(), y)
+    assert abs(kept(x, y).double() - exact) <= 1e-6 * exact.abs()
+    assert abs(apex(x, y).double() - exact) > abs(kept(x, y).double() - exact)
+
+
+def test_O3_runs_losses_low_unless_asked_and_O1_keeps_them_fp32_from_its_tables():
+    model = _ClassifierWithLoss()
+    assert _loss_rows(amp_fx.convert(model, "O3", dtype=torch.bfloat16)) == {"cross_entropy": "low"}
+    assert _loss_rows(amp_fx.convert(model, "O3", dtype=torch.bfloat16, keep_losses_fp32=True)) == {"cross_entropy": "fp32"}
+    assert _loss_rows(amp_fx.convert(model, "O1", dtype=torch.bfloat16)) == {"cross_entropy": "fp32"}
