@@ -10,7 +10,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def _installed_layout(tmp_path: pathlib.Path) -> pathlib.Path:
     """amp_fx/ with passes/ placed at amp_fx/passes, as pip installs it (import-linter walks folders)."""
-    # (A checkout may link amp_fx/passes to passes/ to import without installing: skip the link.)
+    # (amp_fx/passes is the checkout's link to passes/, for lint-imports at the root: copy the folder itself.)
     shutil.copytree(REPO / "amp_fx", tmp_path / "amp_fx", ignore=shutil.ignore_patterns("__pycache__", "passes"))
     shutil.copytree(REPO / "passes", tmp_path / "amp_fx" / "passes", ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
