@@ -29,6 +29,7 @@ from torch.fx.node import map_arg
 
 from amp_fx.ir import meta
 from amp_fx.ir.analysis import alias_root
+from amp_fx.ir.dtype_constants import holds_dtype_extreme
 from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
 from amp_fx.ir.tables import NORM_OPS
 
@@ -107,6 +108,8 @@ def cast_params(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         if not tensor.is_floating_point() or tensor.dtype == low or keep.intersection(names):
             continue
+        if not is_param and any(holds_dtype_extreme(name, tensor, low) for name in names):
+            continue  # torch.tensor(finfo(fp32).min) frozen by the trace: retarget_dtype_constants gives it low's value
         if not is_param and id(tensor) in written and not norms.intersection(names):
             kept_written.append(names[0])
             continue

@@ -28,6 +28,7 @@ from amp_fx.passes.minimize_casts import minimize_casts
 from amp_fx.passes.outline_checkpoints import outline_checkpoints
 from amp_fx.passes.pad_gemm import pad_gemm
 from amp_fx.passes.propagate_meta import propagate_meta
+from amp_fx.passes.retarget_dtype_constants import retarget_dtype_constants
 
 __all__ = ["build_pipeline", "rewrite_graph", "AFTER_REPORT"]
 
@@ -55,7 +56,8 @@ def build_pipeline(config: AmpConfig, *, own_params: bool) -> list[AmpPass]:
     if config.fuse_precision:
         # On the final paint: fused norms need no casts, so insert_casts writes none for them.
         pipeline.append(fuse_precision)
-    pipeline += [insert_casts, dedupe_casts, fold_casts]
+    # On the final paint and its analysis, before the casts: finfo(fp32).min read in bf16 becomes finfo(bf16).min.
+    pipeline += [retarget_dtype_constants, insert_casts, dedupe_casts, fold_casts]
     if config.pad_gemm is not False:
         # "auto" pads on CUDA only; the pass reads the device from the context and says so in the report.
         pipeline.append(pad_gemm)

@@ -354,11 +354,12 @@ def test_min_cut_equals_brute_force_on_the_model():
 # Real models and the pipeline
 # --------------------------------------------------------------------------
 def test_level_defaults_and_pipeline_position():
-    """On by default at O1 (where FOLLOW ops abound), off at O2/O3; it runs just before insert_casts (fuse_precision between)."""
+    """On by default at O1 (where FOLLOW ops abound), off at O2/O3; it runs just before insert_casts (fuse_precision and
+    retarget_dtype_constants between: both read the final paint)."""
     assert make_config("O1").minimize_casts and not make_config("O2").minimize_casts
     assert not make_config("O1", minimize_casts=False).minimize_casts
     names = [p.__name__ for p in build_pipeline(make_config("O1"), own_params=False)]
-    assert names[names.index("minimize_casts") + 1:names.index("insert_casts")] == ["fuse_precision"]
+    assert names[names.index("minimize_casts") + 1:names.index("insert_casts")] == ["fuse_precision", "retarget_dtype_constants"]
 
 
 @pytest.mark.parametrize("name", ["sdpa", "encoder"])
