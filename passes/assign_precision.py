@@ -15,7 +15,16 @@ The algorithm, numbered as the DEBUG log lines are:
    Apex's O2 never undid the model's own casts.  GEMMs, norms and leaf
    modules, which run beside their low parameters, stay low.
 5. Banned ops raise (or run fp32 with ``allow_banned=True``); unknown ops
-   follow, run fp32, or raise, as ``on_unknown_op`` says.
+   follow, run fp32, or raise, as ``on_unknown_op`` says.  A custom op
+   (``torch.library``, named ``"ns::name"``) that no table, policy or
+   autocast rule decides and that would follow gets its floating inputs made
+   one dtype, the widest, as promote ops do: a custom kernel given mixed
+   dtypes (an fp32 weight beside a low activation) would fail, and autocast
+   would not cast its inputs either.  One that writes an argument follows
+   (a cast copy would take the write).  If one reads a parameter (directly,
+   or through casts and views), a warning names it once per conversion with
+   the policy line that decides it: a GEMM-like op left undecided keeps its
+   weight's fp32 at O1, silently.
 6. In-place ops that the tables would cast cannot be cast in place: an
    in-place fp32 op is rewritten out of place later ("fp32 (in-place made
    safe)"), an in-place low op runs in its input's dtype, as autocast does.
@@ -25,9 +34,11 @@ The algorithm, numbered as the DEBUG log lines are:
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from amp_fx.frontend import regions
 
@@ -35,14 +46,18 @@ from amp_fx.ir import meta, op_properties, tables
 from amp_fx.frontend.declared_precision import declared_precision, policy_target
 from amp_fx.errors import BannedOpError, UnknownOpError
 from amp_fx.ir.cast_nodes import written_cast_dtype
-from amp_fx.ir.op_keys import CAST_OPS
+from amp_fx.ir.op_keys import CAST_OPS, custom_overload, is_custom_op
 from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
 
-__all__ = ["assign_precision", "DECISION_KEY", "REASON_KEY"]
+__all__ = ["assign_precision", "DECISION_KEY", "REASON_KEY", "UndecidedCustomOpWarning"]
 
 DECISION_KEY = meta.DECISION  # kept importable from here
 REASON_KEY = meta.REASON
 logger = logging.getLogger(__name__)  # amp_fx.passes.assign_precision
+
+
+class UndecidedCustomOpWarning(UserWarning):
+    """A custom op that reads a parameter is in no amp_fx table: its precision is a guess until a policy decides it."""
 
 
 
@@ -125,6 +140,78 @@ def _decide(node: fx.Node, ctx: PassContext) -> tuple[str, str, str]:
     return _level_decision(node, op, ctx)
 
 
+# -- custom ops no one decided (step 5) -------------------------------------------
+def _undecided_custom_op(node: fx.Node, rule: str) -> bool:
+    """A custom op whose decision came from no table, policy or autocast rule of its own."""
+    op = meta.OP.get(node)
+    return is_custom_op(op) and rule in ("unknown", "level", "model") and tables.table_of(op) == "unknown"
+
+
+def _writes_an_argument(node: fx.Node) -> bool:
+    overload = custom_overload(node.target)
+    return overload is not None and any(a.alias_info is not None and a.alias_info.is_write
+                                        for a in overload._schema.arguments)
+
+
+def _equalise_inputs(node: fx.Node, decision: str, reason: str, rule: str) -> tuple[str, str, str]:
+    """An undecided custom op that would follow: made to run in the widest of its floating inputs.
+
+    One that writes an argument follows whatever the level says: a cast copy would take the write.
+    """
+    if not _undecided_custom_op(node, rule) or decision not in ("follow", "low", "fp32"):
+        return decision, reason, rule
+    if _writes_an_argument(node):
+        return "follow", f"custom op in no amp_fx table that writes an argument: its inputs are never cast", rule
+    if decision != "follow":
+        return decision, reason, rule
+    return ("promote", "custom op in no amp_fx table: its floating inputs are made one dtype, the widest "
+            "(as promote ops do)", rule)
+
+
+def _weights_read(node: fx.Node, gm: fx.GraphModule) -> list[str]:
+    """The parameters ``node`` reads, directly or through casts and data movement (``w.t().to(x.dtype)``)."""
+    found: list[str] = []
+    seen: set[fx.Node] = set()
+    todo = list(node.all_input_nodes)
+    while todo:
+        source = todo.pop()
+        if source in seen:
+            continue
+        seen.add(source)
+        name = meta.PARAM.get(source)
+        if name is not None:
+            if source.op == "placeholder" or isinstance(_attr(gm, str(source.target)), nn.Parameter):
+                found.append(name)
+        elif meta.OP.get(source) in CAST_OPS or meta.OP.get(source) in tables.DATA_MOVEMENT:
+            todo.extend(source.all_input_nodes)
+    return sorted(set(found))
+
+
+def _attr(gm: fx.GraphModule, target: str) -> object:
+    try:
+        return gm.get_parameter(target)
+    except AttributeError:
+        return None
+
+
+def _warn_undecided(found: dict[str, tuple[fx.Node, list[str]]], ctx: PassContext) -> list[str]:
+    """One warning per undecided custom op that reads parameters; the same lines for the report."""
+    lines = []
+    level = ctx.config.level
+    for op, (node, weights) in found.items():
+        decision = meta.DECISION.get(node)
+        runs = {"promote": "in the widest dtype its inputs arrive in (its fp32 weights keep it fp32)",
+                "low": f"low, as {level} runs the whole graph", "follow": "in whatever dtype arrives",
+                "fp32": "in fp32"}.get(decision, decision)
+        shown = ", ".join(repr(w) for w in weights[:3]) + (f" and {len(weights) - 3} more" if len(weights) > 3 else "")
+        line = (f"custom op {op!r} is in no amp_fx table and takes parameter {shown} ({_where(node)}): at {level} it "
+                f"runs {runs}. Decide it: policy={{'op:{op}': 'low'}} if it is a GEMM or otherwise safe in low "
+                f"precision, 'fp32' to keep it full precision, 'follow' to pass its inputs as they arrive.")
+        warnings.warn(line, UndecidedCustomOpWarning, stacklevel=2)
+        lines.append(line)
+    return lines
+
+
 def _widening_model_cast(node: fx.Node) -> bool:
     """A cast the model itself wrote to float32/float64 (``x.float()``, ``x.to(torch.float32)``)."""
     return meta.OP.get(node) in CAST_OPS and written_cast_dtype(node) in (torch.float32, torch.float64)
@@ -192,8 +279,9 @@ def assign_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     counts: dict[str, int] = {}
     unknown: dict[str, int] = {}
     wide: set[fx.Node] = set()  # values the model widened itself, and what follows them
+    undecided: dict[str, tuple[fx.Node, list[str]]] = {}  # custom op -> (its first node, the parameters they read)
     for node in gm.graph.nodes:
-        decision, reason, rule = _respect_model_casts(node, *_decide(node, ctx), wide, ctx)
+        decision, reason, rule = _equalise_inputs(node, *_respect_model_casts(node, *_decide(node, ctx), wide, ctx))
         if meta.INPLACE.get(node) and decision == "low":
             decision, reason = "follow", "in-place op: runs in its input's dtype (autocast does not cast in-place ops)"
         elif meta.INPLACE.get(node) and decision == "fp32":
@@ -205,5 +293,14 @@ def assign_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if rule == "unknown":
             op = meta.OP.get(node)
             unknown[op] = unknown.get(op, 0) + 1
+        if ctx.config.op_mode != "none" and _undecided_custom_op(node, rule):
+            weights = _weights_read(node, gm)
+            if weights:
+                first, seen = undecided.get(meta.OP.get(node), (node, []))
+                undecided[meta.OP.get(node)] = (first, sorted(set(seen) | set(weights)))
         logger.debug("step %s: %s -> %s (%s)", "3" if rule == "policy" else "4", node.name, decision, reason)
-    return PassResult(gm, False, {"decisions": counts, "unknown_ops": unknown})
+    stats = {"decisions": counts, "unknown_ops": unknown}
+    if undecided:
+        stats["undecided_custom_ops"] = sorted(undecided)
+        stats["report_lines"] = _warn_undecided(undecided, ctx)
+    return PassResult(gm, False, stats)

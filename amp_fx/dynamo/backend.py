@@ -7,7 +7,12 @@ recompile) goes through the same analyses and passes as ``convert()``
 or any callable backend.  Parameters reach a Dynamo graph as placeholders;
 they are recognised as weights from Dynamo's sources
 (:mod:`amp_fx.dynamo.graph`), so each is cast once per forward and the
-report names them.
+report names them.  Module paths are those of ``model.named_modules()`` in
+every graph, also in a submodule's frames that Dynamo compiles on their own
+after a graph break (:mod:`amp_fx.dynamo.frames`); a module policy that would
+decide the modules sharing such a frame differently keeps each graph to its
+module, or is refused.  A graph that runs ``torch.func.grad``/``jvp`` inline
+is refused (:mod:`amp_fx.dynamo.transforms`); ``torch.vmap`` is converted.
 
 Settings: ``torch.compile(m, backend=amp_fx.backend(level="O1", dtype=torch.bfloat16, inner="aot_eager"))``
 or ``torch.compile(m, backend="amp_fx", options={"level": "O1", "inner": "aot_eager"})``.

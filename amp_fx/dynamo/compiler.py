@@ -16,18 +16,21 @@ import torch
 import torch.fx as fx
 
 from amp_fx.dynamo.bodies import convert_bodies, describe_region_nodes
-from amp_fx.dynamo.graph import placeholder_params, relative_module_stacks
+from amp_fx.dynamo import frames
+from amp_fx.dynamo.transforms import refuse_autograd_transforms
+from amp_fx.dynamo.graph import module_expressions, placeholder_params, relative_module_stacks
 from amp_fx.dynamo import watch
 from amp_fx.dynamo.report import CompiledReport, publish
 from amp_fx.ir import meta
 from amp_fx.ir.config import AmpConfig, make_config
 from amp_fx.ir.devices import device_type_of
+from amp_fx.ir.fake_calls import transform_levels_kept
 from amp_fx.graph_ops.outer_autocast import call_without_outer_autocast, no_outer_autocast
 from amp_fx.ir.pass_manager import PassContext
 from amp_fx.converter.pipeline import rewrite_graph
 from amp_fx.ir.policy import Policy
 from amp_fx.errors import AmpTypeError, AmpValueError, unknown_options_error
-from amp_fx.frontend.tracing import user_frame
+from amp_fx.frontend.tracing import module_stack_of, user_frame
 
 __all__ = ["AmpBackend"]
 
@@ -171,21 +174,29 @@ class AmpBackend:
         with no_outer_autocast():
             device = device_type_of(gm, example_inputs)
             config = self.config
+            if config.op_mode != "none":  # O0 writes no cast
+                refuse_autograd_transforms(gm)
             if config.dtype is None:
                 config = config.for_device(device)
                 self.report.dtype = str(config.dtype).replace("torch.", "")
-            ctx = PassContext(config=config, policy=self.policy, route="dynamo", device_type=device,
-                              placeholder_params=placeholder_params(gm, example_inputs))
-            compile_id = _compile_id()
             # Module policies and the report name modules as model.named_modules() does, whatever
-            # the compiled function called its module (self, m, s, a global, a closure).
-            relative_module_stacks(gm)
-            with _no_new_guards(gm):
+            # the compiled function called its module (self, m, s, a global, a closure), and in
+            # the frames of a submodule that Dynamo compiles on their own after a graph break.
+            place = frames.locate(module_expressions(gm))
+            self._check_place(place)
+            prefixes = place.prefixes if place is not None else None
+            ctx = PassContext(config=config, policy=self.policy, route="dynamo", device_type=device,
+                              placeholder_params=placeholder_params(gm, example_inputs, prefixes))
+            compile_id = _compile_id()
+            relative_module_stacks(gm, prefixes=prefixes, frame_module=place.frame_module if place is not None else None)
+            notes = [f"Dynamo graph {compile_id}, converted by the torch.compile backend", *self._pin_instances(gm, place)]
+            # A graph that traced torch.vmap pushes and pops functorch levels when its nodes are fake-run; the
+            # stack must be as Dynamo left it, or Dynamo's guard on it fails on the frame that made it.
+            with _no_new_guards(gm), transform_levels_kept():
                 # Checkpointed regions and subgraphs first: each body is converted and sealed on its own.
                 bodies = [] if config.op_mode == "none" else convert_bodies(
                     gm, ctx.placeholder_params, functools.partial(self._convert_body, config, device, compile_id))
-                gm, report = rewrite_graph(gm, ctx, own_params=False,
-                                           notes=[f"Dynamo graph {compile_id}, converted by the torch.compile backend"])
+                gm, report = rewrite_graph(gm, ctx, own_params=False, notes=notes)
                 if config.op_mode != "none":
                     for _, _, body, _ in bodies:
                         _refresh_example_values(body)
@@ -207,6 +218,68 @@ class AmpBackend:
                 raise
             watch.graph_converted(compile_id, low=bool(report.count("low") or any(b[3].count("low") for b in bodies)))
         return _without_outer_autocast(compiled)
+
+    def _check_place(self, place: Any) -> None:
+        """Refuse module policies for a frame whose place in the model is unknown: they would silently miss."""
+        if place is None or not place.unknown:
+            return
+        rules = [r.describe() for r in self._module_rules()]
+        if not rules:
+            return
+        model = place.model.__name__ if place.model is not None else "the compiled model"
+        raise AmpValueError(
+            f"amp_fx cannot tell where Dynamo's frame {place.frame} sits in {model}: it reads "
+            f"{', '.join(place.unknown)}, which is not a submodule of {model}, so module paths in this graph "
+            f"are not model.named_modules() names and {', '.join(rules)} may not match them. Fix: remove the graph "
+            "break that made Dynamo compile this frame on its own, decide these modules by type "
+            "(policy={ModuleClass: 'fp32'}) or op instead of by name, or convert first: "
+            "torch.compile(amp_fx.convert(model, ...)).")
+
+    def _module_rules(self) -> list:
+        return [r for r in self.policy.rules if r.kind in ("module", "module_glob", "module_re")]
+
+    def _pin_instances(self, gm: fx.GraphModule, place: Any) -> list[str]:
+        """Keep a nested frame's graph to the modules it was painted for, where module policies paint their siblings otherwise.
+
+        Dynamo runs a frame compiled for ``encoder.layers.0`` for every
+        module of its class; a rule naming ``encoder.layers.0`` must not
+        reach ``encoder.layers.1`` that way (nor miss ``layers.0`` when
+        ``layers.1`` compiled first).  Such a graph gets an identity guard on
+        the frame local that holds the module, so Dynamo compiles the frame
+        again for each of them; without such a local, the backend refuses.
+        Returns the report notes.
+        """
+        rules = self._module_rules()
+        if place is None or not place.nested or not rules:
+            return []
+        by_name = Policy(rules=rules)
+        stacks = {tuple(module_stack_of(node)) for module in gm.modules() if isinstance(module, fx.GraphModule)
+                  for node in module.graph.nodes if node.op not in ("placeholder", "output")}
+
+        def decided(held: Any, path: str) -> list:
+            def moved(name: str) -> str:
+                return path + name[len(held.path):] if name == held.path or name.startswith(held.path + ".") else name
+
+            return [by_name.decide(None, None, [(moved(name), kind) for name, kind in stack]) for stack in sorted(stacks, key=str)]
+
+        notes = []
+        for held in place.held:
+            mine = decided(held, held.path)
+            other = next((sibling for sibling in held.siblings if decided(held, sibling) != mine), None)
+            if other is None:
+                continue
+            if held.expression is None or not frames.guard_instance(held.expression):
+                raise AmpValueError(
+                    f"Dynamo compiled {place.frame} as a frame of its own (a graph break), and it runs that graph for "
+                    f"every {held.type.__name__} of the model: {held.path} and {other} among them. The module policy "
+                    f"({', '.join(r.describe() for r in rules)}) decides them differently, and this frame holds no "
+                    f"reference to its module that could tell them apart at run time. Fix: remove the graph break in "
+                    f"{held.type.__name__}, decide these modules by type (policy={{{held.type.__name__}: ...}}) or op, "
+                    "or convert first: torch.compile(amp_fx.convert(model, policy=...)).")
+            notes.append(f"kept to module {held.path} ({held.expression} guarded by identity): the module policy "
+                         f"decides other {held.type.__name__} modules ({other}, ...) differently, so Dynamo compiles "
+                         "this frame for each of them")
+        return notes
 
     def _convert_body(self, config: Any, device: str, compile_id: str, body: fx.GraphModule,
                       params: dict, name: str) -> tuple[fx.GraphModule, Any]:

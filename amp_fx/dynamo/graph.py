@@ -15,17 +15,24 @@ module by the expression it was read from: ``L['self'].head`` when
 :func:`relative_module_stacks` rewrites each node's ``nn_module_stack`` to
 paths relative to the root *module* (``head``), the names
 ``model.named_modules()`` gives and policies use.
+
+After a graph break inside a submodule, Dynamo compiles that submodule's
+frames on their own, and their roots are the submodule (``L['self']`` is
+``encoder.layers.0``).  :mod:`amp_fx.dynamo.frames` finds each root's path
+in the compiled model; passed as ``prefixes``, both functions here write
+full paths and weight names (``encoder.layers.0.fc1.weight``).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["placeholder_params", "source_fqn", "target_fqn", "module_roots", "relative_module_stacks"]
+__all__ = ["placeholder_params", "source_fqn", "target_fqn", "module_roots", "module_expressions",
+           "relative_module_stacks", "STEP", "ROOT_VARIABLE"]
 
 # One step of a Dynamo source name: .attr, ['key'] or [index].
 _STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[\s*'([^']*)'\s*\]|\[\s*\"([^\"]*)\"\s*\]|\[\s*(-?\d+)\s*\]")
@@ -36,6 +43,7 @@ _WEIGHT_CONTAINERS = ("_parameters", "_buffers")
 _ROOT_VARIABLE = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*\[\s*'[^']*'\s*\]|[A-Za-z_][A-Za-z0-9_]*)")
 # Where a source steps into an nn.Module's own containers: what comes before is a module.
 _INTO_MODULE = re.compile(r"\._(?:modules|parameters|buffers)\[")
+STEP, ROOT_VARIABLE = _STEP, _ROOT_VARIABLE  # for amp_fx.dynamo.frames, which reads the same sources
 
 
 def _source_name(source: Any) -> Optional[str]:
@@ -80,11 +88,29 @@ def target_fqn(target: str) -> Optional[str]:
     return ".".join(part for part in parts if part) or None
 
 
-def placeholder_params(gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) -> dict[str, str]:
+def _join(prefix: str, path: str) -> str:
+    if not prefix:
+        return path
+    return prefix + path if path.startswith("[") else f"{prefix}.{path}" if path else prefix
+
+
+def _source_root(name: str) -> Optional[str]:
+    """The module expression a weight's source starts from (``L['self'].model`` of ``L['self'].model._modules[...]``)."""
+    into = _INTO_MODULE.search(name)
+    if into is not None:
+        return name[:into.start()]
+    root = _ROOT_VARIABLE.match(name)
+    return root.group(0) if root else None
+
+
+def placeholder_params(gm: fx.GraphModule, example_inputs: Sequence[Any] = (),
+                       prefixes: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """Map each placeholder that holds a parameter or buffer to its FQN.
 
     A placeholder is a weight when its real value is an ``nn.Parameter`` or
     its Dynamo source reads a module's ``_parameters`` / ``_buffers``.
+    ``prefixes`` (root expression -> module path, :mod:`amp_fx.dynamo.frames`)
+    makes the names full ones in a frame compiled after a graph break.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out: dict[str, str] = {}
@@ -97,6 +123,8 @@ def placeholder_params(gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) -
         fqn = source_fqn(name) if name else None
         if fqn is None and (isinstance(example, nn.Parameter) or isinstance(node.meta.get("example_value"), nn.Parameter)):
             fqn = target_fqn(str(node.target)) or (name or str(node.target))
+        if fqn is not None and name and prefixes:
+            fqn = _join(prefixes.get(_source_root(name) or "", ""), fqn)
         if fqn is not None:
             out[node.name] = fqn
     return out
@@ -121,37 +149,65 @@ def module_roots(gm: fx.GraphModule) -> list[str]:
     return sorted(roots, key=len, reverse=True)
 
 
-def _relative(path: str, roots: Sequence[str]) -> str:
+def module_expressions(gm: fx.GraphModule) -> list[str]:
+    """Every module expression the graph's paths start from: :func:`module_roots` and the bare root variables."""
+    found = list(module_roots(gm))
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            for value in (node.meta.get("nn_module_stack") or {}).values():
+                variable = _ROOT_VARIABLE.match(value[0]) if isinstance(value, tuple) and value and isinstance(value[0], str) else None
+                if variable is not None and variable.group(0) not in found:
+                    found.append(variable.group(0))
+    return found
+
+
+def _relative(path: str, roots: Sequence[str], prefixes: Mapping[str, str]) -> str:
     for root in roots:
         if path == root or path.startswith(root + ".") or path.startswith(root + "["):
-            return path[len(root):].lstrip(".")
+            return _join(prefixes.get(root, ""), path[len(root):].lstrip("."))
     # A module that reads no weight of its own still hangs off a root variable.
     variable = _ROOT_VARIABLE.match(path)
-    return path[variable.end():].lstrip(".") if variable else path
+    if variable is None:
+        return path
+    return _join(prefixes.get(variable.group(0), ""), path[variable.end():].lstrip("."))
 
 
-def relative_module_stacks(gm: fx.GraphModule, roots: Optional[Sequence[str]] = None) -> int:
+def relative_module_stacks(gm: fx.GraphModule, roots: Optional[Sequence[str]] = None,
+                           prefixes: Optional[Mapping[str, str]] = None,
+                           frame_module: Optional[tuple[str, type]] = None) -> int:
     """Rewrite every node's ``nn_module_stack`` paths relative to its root module; return how many changed.
 
     Paths become ``"head"`` / ``"encoder.layers.0"`` (``""`` for the root
     itself), whatever the compiled function called its module argument.
     Bodies of higher-order ops (checkpointed regions) get the same roots.
+    ``prefixes`` (root expression -> module path) and ``frame_module`` (the
+    module whose forward a frame compiled after a graph break runs, which
+    encloses every node of it) come from :mod:`amp_fx.dynamo.frames`.
     """
     roots = module_roots(gm) if roots is None else roots
+    prefixes = prefixes or {}
     changed = 0
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
             continue
         for node in module.graph.nodes:
             stack = node.meta.get("nn_module_stack")
-            if not stack:
+            if not stack and frame_module is None:
                 continue
             rewritten = {}
-            for key, value in stack.items():
+            if frame_module is not None and node.op not in ("placeholder", "output"):
+                rewritten[frame_module[0]] = frame_module  # outermost first, as Dynamo orders the stack
+                changed += 1
+            for key, value in (stack or {}).items():
                 if isinstance(value, tuple) and value and isinstance(value[0], str):
-                    path = _relative(value[0], roots)
+                    path = _relative(value[0], roots, prefixes)
                     changed += path != value[0]
                     value = (path,) + tuple(value[1:])
+                if frame_module is not None and isinstance(value, tuple) and value[:1] == (frame_module[0],):
+                    continue  # the frame's module itself, already first
                 rewritten[key] = value
-            node.meta["nn_module_stack"] = rewritten
+            if rewritten:
+                node.meta["nn_module_stack"] = rewritten
     return changed

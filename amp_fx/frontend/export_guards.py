@@ -1,13 +1,15 @@
 """Refuse, while ``torch.export`` traces a model for ``convert()``, what that route would change silently.
 
 ``torch.export`` (non-strict) runs ``forward`` once on fake tensors and keeps
-ATen ops.  It traces *through* a custom ``torch.autograd.Function`` (the
-forward's ops stay, its backward is lost), inlines ``torch.utils.checkpoint``
-(the activation-memory saving is lost), freezes a Python attribute that
-forward changes, and keeps no context manager.  :func:`watch_export` raises
+ATen ops.  It inlines ``torch.utils.checkpoint`` (the activation-memory
+saving is lost), freezes a Python attribute that forward changes, and keeps
+no context manager.  :func:`watch_export` raises
 :class:`~amp_fx.errors.UnsupportedConstructError` for each, naming the line
 and the route that keeps it; the same state-change and context-manager
 watch as on the symbolic route is reused (see :mod:`amp_fx.frontend.trace_guards`).
+Custom ``torch.autograd.Function`` calls, which export would trace through
+(dropping their backward), are kept whole instead
+(:mod:`amp_fx.frontend.export_functions`, used by the export call itself).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from typing import Any, Iterator
 
 import torch.nn as nn
 import torch.utils.checkpoint as torch_checkpoint
-from torch.autograd.function import Function
 
 from amp_fx.errors import UnsupportedConstructError
 from amp_fx.frontend.source_lines import current_user_line
@@ -27,7 +28,7 @@ __all__ = ["watch_export", "watched_export"]
 
 _ROUTE = (
     "Routes that keep it: torch.compile(model, backend='amp_fx'); or make the model symbolically traceable "
-    "(amp_fx.convert keeps custom autograd Functions and checkpointed regions on that route)."
+    "(amp_fx.convert keeps checkpointed regions on that route)."
 )
 
 
@@ -51,28 +52,19 @@ def _refuse(construct: str, what: str) -> None:
 
 
 @contextlib.contextmanager
-def _refuse_functions_and_checkpoints() -> Iterator[None]:
-    original_apply = Function.__dict__["apply"]
+def _refuse_checkpoints() -> Iterator[None]:
     original_checkpoint = getattr(torch_checkpoint.checkpoint, "__wrapped__", torch_checkpoint.checkpoint)
     missing = object()
     previous = original_checkpoint.__dict__.get("__dynamo_disable", missing)
-
-    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if not cls.__module__.startswith("torch."):
-            _refuse("traces through a custom autograd Function and drops its backward",
-                    f"the model calls the custom autograd Function {cls.__qualname__}")
-        return original_apply.__get__(None, cls)(*args, **kwargs)
 
     def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
         _refuse("inlines checkpointed regions, losing their activation-memory saving",
                 "the model calls torch.utils.checkpoint.checkpoint")
 
-    Function.apply = classmethod(apply)
     original_checkpoint.__dynamo_disable = checkpoint
     try:
         yield
     finally:
-        Function.apply = original_apply
         if previous is missing:
             del original_checkpoint.__dynamo_disable
         else:
@@ -83,7 +75,7 @@ def _refuse_functions_and_checkpoints() -> Iterator[None]:
 def watch_export(model: nn.Module) -> Iterator[list[str]]:
     """While ``torch.export`` traces ``model``: refuse what it would drop; yield the list of notes it leaves."""
     scope = _ExportScope(model)
-    with _refuse_functions_and_checkpoints(), refuse_state_changes(scope), watch_context_managers(scope):
+    with _refuse_checkpoints(), refuse_state_changes(scope), watch_context_managers(scope):
         yield scope.amp_fx_notes
 
 

@@ -23,6 +23,10 @@ says which dimensions ended up dynamic.  A call with another size where one
 is static raises :class:`~amp_fx.errors.AmpValueError` naming the input, the
 dimension and the fix; a ``dynamic_shapes=`` the model contradicts is refused
 at conversion (:mod:`amp_fx.frontend.export_shapes`).
+
+Custom ``torch.autograd.Function`` calls stay one node each, forward and
+backward the Function's, as on the symbolic route
+(:mod:`amp_fx.frontend.export_functions`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch.nn as nn
 from torch.export import Dim
 
 from amp_fx.frontend import export_shapes
+from amp_fx.frontend.export_functions import keeping_function_calls
 
 __all__ = ["split_constants", "default_dynamic_shapes", "export_module", "shape_notes"]
 
@@ -151,7 +156,9 @@ def export_module(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
         if isinstance(shapes, Mapping) and not args:
             shapes = {k: v for k, v in shapes.items() if k in tensors}
     try:
-        exported = torch.export.export(bound, tuple(args), tensors, dynamic_shapes=shapes, strict=False)
+        # custom autograd Functions stay one node each, forward and backward theirs (amp_fx/frontend/export_functions.py)
+        with keeping_function_calls() as function_calls:
+            exported = torch.export.export(bound, tuple(args), tensors, dynamic_shapes=shapes, strict=False)
     except Exception as error:  # a dynamic_shapes= the model contradicts is refused naming the dimensions
         export_shapes.refuse_constraint_violation(error, shapes, type(model).__name__)
         raise
@@ -159,13 +166,16 @@ def export_module(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
     if constants:
         notes.append("constants of the traced forward (not inputs of the converted module): "
                      + ", ".join(f"{k}={v!r}" for k, v in constants.items()))
-    if dynamic_shapes is None and shapes:
-        notes.extend(_warn_specialised(exported, shapes))
-    notes.extend(shape_notes(exported))
+    fixed_at = {(d.input, d.dim): d.reason for d in export_shapes.dimensions(_user_input_values(exported),
+                                                                            exported.range_constraints) if d.reason}
+    warned = _warn_specialised(exported, shapes, fixed_at) if dynamic_shapes is None and shapes else []
+    notes.extend(warned)
+    notes.extend(shape_notes(exported, explained=bool(warned)))
     unlifted = exported.module()
+    function_calls.restore(unlifted)  # each Function call one node again, calling its real apply
     # a call with another size where export specialised one raises AmpValueError naming it, not a bare AssertionError
     export_shapes.explain_guard_failures(unlifted, _user_input_values(exported),
-                                         export_shapes.requested_dims(shapes))
+                                         export_shapes.requested_dims(shapes), fixed_at)
     return unlifted, constants, notes
 
 
@@ -179,20 +189,25 @@ def _user_input_values(exported: Any) -> dict[str, Any]:
     return values
 
 
-def _warn_specialised(exported: Any, shapes: Mapping[str, Any]) -> list[str]:
+def _warn_specialised(exported: Any, shapes: Mapping[str, Any], fixed_at: Optional[Mapping] = None) -> list[str]:
     """Warn when a dimension amp_fx asked to keep dynamic came out static (a size-1 batch, a model that fixes it); return the report note."""
     values = _user_input_values(exported)
     fixed = []
+    by_reason: dict[str, list[str]] = {}  # why export fixed them (the line it gives), when it says
     for name, dims in shapes.items():
         value = values.get(name)
         if not dims or not isinstance(value, torch.Tensor):
             continue
-        fixed += [f"{name}.shape[{d}] == {export_shapes.static_size(value.shape[d])}" for d in dims
-                  if export_shapes.static_size(value.shape[d]) is not None]
+        for d in dims:
+            if export_shapes.static_size(value.shape[d]) is not None:
+                fixed.append(f"{name}.shape[{d}] == {export_shapes.static_size(value.shape[d])}")
+                if (fixed_at or {}).get((name, d)):
+                    by_reason.setdefault(fixed_at[(name, d)], []).append(f"{name}.shape[{d}]")
     if not fixed:
         return []
+    why = "".join(f" torch.export fixed {', '.join(names)} {reason}." for reason, names in by_reason.items())
     message = (
-        f"torch.export kept {', '.join(fixed)} static: the converted module only accepts that size there. "
+        f"torch.export kept {', '.join(fixed)} static: the converted module only accepts that size there.{why} "
         "A size of 1 is always specialised (give an example with batch and sequence length of 2 or more); "
         "otherwise the model fixes the size, or pass dynamic_shapes= to say what should vary."
     )
@@ -200,17 +215,9 @@ def _warn_specialised(exported: Any, shapes: Mapping[str, Any]) -> list[str]:
     return [message]
 
 
-def shape_notes(exported: Any) -> list[str]:
-    """Say which input dimensions the exported program keeps dynamic."""
-    dynamic, static = [], []
-    for name, value in _user_input_values(exported).items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        sizes = [str(export_shapes.static_size(s)) if export_shapes.static_size(s) is not None else "?" for s in value.shape]
-        (dynamic if "?" in sizes else static).append(f"{name}[{', '.join(sizes)}]")
-    notes = []
-    if dynamic:
-        notes.append(f"torch.export: dynamic dimensions (?) in {', '.join(dynamic)}")
-    if static:
-        notes.append(f"torch.export: static shapes for {', '.join(static)} (pass dynamic_shapes= to change)")
-    return notes
+def shape_notes(exported: Any, explained: bool = False) -> list[str]:
+    """Say which input dimensions the exported program keeps dynamic (its range constraints) and why others are fixed.
+
+    ``explained``: the specialisation warning already said why (no second note).
+    """
+    return export_shapes.shape_notes(_user_input_values(exported), exported.range_constraints, reasons=not explained)

@@ -7,6 +7,14 @@ wraps that check so that a call with another size raises
 :class:`~amp_fx.errors.AmpValueError` naming the input, the dimension, the
 size it was specialised to, why, and the fix.
 
+What is dynamic is read from the exported program itself (:func:`dimensions`):
+a dimension is dynamic where its size is a symbol whose range constraint
+(``ExportedProgram.range_constraints``) allows more than one value, fixed
+otherwise.  For a fixed one, torch.export's shape environment records
+where it replaced the symbol by the example's size (the guard's source
+line: Mamba's CPU scan ``for index in range(seq_len)``); that line is the
+reason the notes and the error give.
+
 At conversion, a dimension the user declared dynamic (``dynamic_shapes=``
 with a named ``Dim``) that the model fixes is a constraint violation in
 torch.export: :func:`refuse_constraint_violation` turns it into an
@@ -20,6 +28,8 @@ where the model fixes it, with a warning and a report note; see
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 from typing import Any, Mapping, Optional
 
@@ -28,7 +38,8 @@ import torch.fx as fx
 
 from amp_fx.errors import PACKAGE, AmpValueError
 
-__all__ = ["explain_guard_failures", "refuse_constraint_violation", "requested_dims", "declared_dims", "static_size"]
+__all__ = ["explain_guard_failures", "refuse_constraint_violation", "requested_dims", "declared_dims", "static_size",
+           "Dimension", "dimensions", "shape_notes"]
 
 # (input name, its sizes at conversion: an int where static, None where dynamic)
 _Recorded = list[tuple[str, Optional[tuple[Optional[int], ...]]]]
@@ -46,13 +57,134 @@ def static_size(size: Any) -> Optional[int]:
     return as_int() if callable(as_int) else None
 
 
+@dataclasses.dataclass(frozen=True)
+class Dimension:
+    """One dimension of an exported program's input: dynamic or fixed, its range, and why export fixed it."""
+
+    input: str
+    dim: int
+    size: int  # the example's size
+    dynamic: bool
+    bounds: Optional[tuple[int, Optional[int]]] = None  # a dynamic size's range constraint (None above: unbounded)
+    reason: Optional[str] = None  # why torch.export fixed it, when it says: "at model.py:12 (for i in range(n):)"
+
+    @property
+    def name(self) -> str:
+        return f"{self.input}.shape[{self.dim}]"
+
+
+def _bound(value: Any) -> Optional[int]:
+    """An int, or None for an unbounded end (torch's ``int_oo``, sympy's ``oo``) or no value."""
+    if value is None or getattr(value, "is_finite", True) is False:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        return None
+
+
+def _where_fixed(size: Any) -> Optional[str]:
+    """The source line at which torch.export replaced ``size``'s symbol by a number (a guard such as ``s1 == 16``)."""
+    node = getattr(size, "node", None)
+    env = getattr(node, "shape_env", None)
+    raw = getattr(node, "_expr", None)  # the symbol before replacements: expr already reads 16
+    if env is None or raw is None:
+        return None
+    for symbol in sorted(getattr(raw, "free_symbols", ()), key=str):
+        sloc = getattr(env, "replacements_slocs", {}).get(symbol)
+        if sloc is None or not getattr(env.replacements.get(symbol), "is_number", False):
+            continue
+        frame = getattr(sloc, "framework_loc", None)
+        if isinstance(frame, str) or frame is None:
+            where = frame or getattr(sloc, "maybe_user_loc", None)
+            if where:
+                return f"at {where}"
+            continue
+        code = (frame.line or "").strip()
+        where = f"{_short_path(frame.filename)}:{frame.lineno} in {frame.name}"
+        return f"at {where} ({code})" if code else f"at {where}"
+    return None
+
+
+def _short_path(path: str) -> str:
+    """``transformers/models/mamba/modeling_mamba.py`` for an installed package, a path from the working directory for the user's."""
+    marker = f"site-packages{os.sep}"
+    if marker in path:
+        return path.rsplit(marker, 1)[1]
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return path
+    return path if relative.startswith("..") else relative
+
+
+def dimensions(values: Mapping[str, Any], range_constraints: Mapping[Any, Any]) -> list[Dimension]:
+    """Every dimension of the exported program's tensor inputs, dynamic where its range constraint allows several sizes.
+
+    ``values``: each user input's name and its value in the program (the
+    placeholders' ``val``); ``range_constraints``: the program's own.
+    """
+    found = []
+    for name, value in values.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        for dim, size in enumerate(value.shape):
+            fixed = static_size(size)
+            if fixed is not None:
+                reason = _where_fixed(size) or (f"torch.export specialises a size of {fixed} in an example"
+                                                if fixed in (0, 1) else None)
+                found.append(Dimension(name, dim, fixed, False, reason=reason))
+                continue
+            expr = size.node.expr
+            hint = _bound(getattr(size.node, "hint", None))
+            ranges = [range_constraints.get(symbol) for symbol in expr.free_symbols]
+            if ranges and all(r is not None and r.lower == r.upper for r in ranges):
+                found.append(Dimension(name, dim, hint if hint is not None else -1, False,
+                                       reason=f"its range constraint allows one size only ({expr} in {ranges[0]})"))
+                continue
+            bounds = None
+            if len(ranges) == 1 and ranges[0] is not None and getattr(expr, "is_symbol", False):
+                bounds = (_bound(ranges[0].lower) or 0, _bound(ranges[0].upper))
+            found.append(Dimension(name, dim, hint if hint is not None else -1, True, bounds=bounds))
+    return found
+
+
+def shape_notes(values: Mapping[str, Any], range_constraints: Mapping[Any, Any], reasons: bool = True) -> list[str]:
+    """The report's notes: which input dimensions are dynamic (from the range constraints), which fixed, and (``reasons``) why."""
+    dims = dimensions(values, range_constraints)
+    by_input: dict[str, list[Dimension]] = {}
+    for d in dims:
+        by_input.setdefault(d.input, []).append(d)
+    dynamic, static = [], []
+    for name, of_input in by_input.items():
+        sizes = ", ".join("?" if d.dynamic else str(d.size) for d in of_input)
+        (dynamic if any(d.dynamic for d in of_input) else static).append(f"{name}[{sizes}]")
+    notes = []
+    if dynamic:
+        notes.append(f"torch.export: dynamic dimensions (?) in {', '.join(dynamic)}")
+        ranges = [f"{d.name} in [{d.bounds[0]}, {d.bounds[1] if d.bounds[1] is not None else 'inf'}]"
+                  for d in dims if d.dynamic and d.bounds is not None]
+        if ranges:
+            notes.append(f"torch.export: range constraints {', '.join(ranges)}")
+    if static:
+        notes.append(f"torch.export: static shapes for {', '.join(static)} (pass dynamic_shapes= to change)")
+    by_reason: dict[str, list[str]] = {}
+    for d in dims:
+        if reasons and not d.dynamic and d.reason is not None:
+            by_reason.setdefault(d.reason, []).append(f"{d.name} == {d.size}")
+    if by_reason:
+        notes.append("; ".join(f"torch.export fixed {', '.join(names)} {reason}" for reason, names in by_reason.items()))
+    return notes
+
+
 def _static_sizes(value: Any) -> Optional[tuple[Optional[int], ...]]:
     if not isinstance(value, torch.Tensor):
         return None
     return tuple(static_size(s) for s in value.shape)
 
 
-def _why_and_fix(name: str, dim: int, size: int, got: int, requested: set[tuple[str, int]]) -> str:
+def _why_and_fix(name: str, dim: int, size: int, got: int, requested: set[tuple[str, int]],
+                 reasons: Optional[Mapping[tuple[str, int], str]] = None) -> str:
     """Why export kept ``name.shape[dim]`` at ``size``, and what to do for a call with ``got`` there."""
     vary = (f"{PACKAGE}.convert(..., dynamic_shapes={{{name!r}: {{{dim}: torch.export.Dim.AUTO}}, ...}}) "
             "(list the other inputs' dynamic dimensions too)")
@@ -62,13 +194,16 @@ def _why_and_fix(name: str, dim: int, size: int, got: int, requested: set[tuple[
     if size in (0, 1):
         return (f"torch.export specialises a size of {size} in an example.\n"
                 f"Fix: convert with an example where {name}.shape[{dim}] is 2 or more.")
-    return (f"the model fixes that size (torch.export kept it static instead of failing; the conversion warned).\n"
+    where = (reasons or {}).get((name, dim)) or ""
+    return (f"the model fixes that size{' ' + where if where.startswith('at ') else ''} (torch.export kept it static instead of "
+            "failing; the conversion warned).\n"
             f"Fix: call with {size} there, or convert another module with an example where {name}.shape[{dim}] "
             f"is {got}; to see what fixes it, convert with dynamic_shapes= giving that dimension a named "
             f"torch.export.Dim({(name + '_' + str(dim))!r}): the conversion then refuses, saying why.")
 
 
-def _size_mismatch(recorded: _Recorded, args: tuple, requested: set[tuple[str, int]]) -> Optional[str]:
+def _size_mismatch(recorded: _Recorded, args: tuple, requested: set[tuple[str, int]],
+                   reasons: Optional[Mapping[tuple[str, int], str]] = None) -> Optional[str]:
     """The message for the first input whose rank or static size differs from the exported program's; None if all match."""
     for (name, sizes), value in zip(recorded, args):
         if sizes is None or not isinstance(value, torch.Tensor):
@@ -81,7 +216,7 @@ def _size_mismatch(recorded: _Recorded, args: tuple, requested: set[tuple[str, i
                 got = value.shape[dim]
                 return (f"{name}.shape[{dim}] is {got}, but the converted module only accepts {size} there: "
                         f"torch.export specialised that dimension to {size} when amp_fx converted the model, because "
-                        + _why_and_fix(name, dim, size, got, requested))
+                        + _why_and_fix(name, dim, size, got, requested, reasons))
     return None
 
 
@@ -93,12 +228,14 @@ def _relation(guard: str) -> str:
     )
 
 
-def explain_guard_failures(module: fx.GraphModule, values: Mapping[str, Any], requested: set[tuple[str, int]]) -> bool:
+def explain_guard_failures(module: fx.GraphModule, values: Mapping[str, Any], requested: set[tuple[str, int]],
+                           reasons: Optional[Mapping[tuple[str, int], str]] = None) -> bool:
     """Make ``module``'s export guards raise AmpValueError naming the input, dimension and fix; False if it has none.
 
     ``values``: each user input's name and example value in the exported
     program, in the order the guards receive them; ``requested``: the
-    (input, dimension) pairs the conversion asked to keep dynamic.  A static
+    (input, dimension) pairs the conversion asked to keep dynamic; ``reasons``:
+    where export fixed a dimension (:attr:`Dimension.reason`).  A static
     size is checked before the guards run (also under torch.compile, where
     Dynamo traces the guards); any other guard's failure is explained after.
     """
@@ -112,7 +249,7 @@ def explain_guard_failures(module: fx.GraphModule, values: Mapping[str, Any], re
     requested = set(requested)
 
     def forward(*args: Any) -> Any:
-        mismatch = _size_mismatch(recorded, args, requested)
+        mismatch = _size_mismatch(recorded, args, requested, reasons)
         if mismatch is not None:
             raise AmpValueError(mismatch)
         if torch.compiler.is_compiling():

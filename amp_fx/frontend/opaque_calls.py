@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 from amp_fx.errors import UnsupportedConstructError
 from amp_fx.frontend.source_lines import current_user_line
 
-__all__ = ["FunctionCall", "function_call", "record_function_calls"]
+__all__ = ["FunctionCall", "function_call", "record_function_calls", "ScratchCtx"]
 
 _CALLS: "weakref.WeakKeyDictionary[type, FunctionCall]" = weakref.WeakKeyDictionary()
 _ACTIVE = threading.local()
@@ -100,17 +100,19 @@ def _first_proxy(args: tuple, kwargs: dict) -> Optional[fx.Proxy]:
     return next((a for a in tree_leaves((args, kwargs)) if isinstance(a, fx.Proxy)), None)
 
 
-class _ScratchCtx:
-    """A stand-in ``ctx`` for running a forward once to learn the shape of its result."""
+class ScratchCtx:
+    """A stand-in ``ctx`` for running a forward once to learn the shape of its result (``dirty``: it called mark_dirty)."""
 
     saved_tensors: tuple = ()
 
     def __init__(self, n_inputs: int):
         self.needs_input_grad = (True,) * n_inputs
+        self.dirty = False
 
     def save_for_backward(self, *tensors: Any) -> None: ...
     def save_for_forward(self, *tensors: Any) -> None: ...
-    def mark_dirty(self, *tensors: Any) -> None: ...
+    def mark_dirty(self, *tensors: Any) -> None:
+        self.dirty = True
     def mark_non_differentiable(self, *tensors: Any) -> None: ...
     def set_materialize_grads(self, value: bool) -> None: ...
 
@@ -126,7 +128,7 @@ def _result_structure(function: type, args: tuple, kwargs: dict, graph: fx.Graph
         if _is_setup_context_defined(function.setup_context):
             result = function.forward(*args, **kwargs)
         else:
-            result = function.forward(_ScratchCtx(len(args)), *args, **kwargs)
+            result = function.forward(ScratchCtx(len(args)), *args, **kwargs)
     except Exception:  # any failure: fall back to one opaque result
         result = None
     scratch = []

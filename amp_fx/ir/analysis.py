@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
@@ -56,7 +57,8 @@ from amp_fx.ir.dtype_rules import explicit_dtype, opened_by_hooks, rule_value, w
 from amp_fx.graph_ops.mode_switch import switching_modes
 from amp_fx.ir.meta import ValueInfo, may_be_float_tensor
 from amp_fx.ir.aliasing import alias_root, mutated_roots, mutated_values
-from amp_fx.ir.fake_calls import Described, call_key, call_on_fakes, examples_do_not_fit, fetch_attr, quiet_fake_kernels
+from amp_fx.ir.fake_calls import (Described, call_key, call_on_fakes, changes_transform_levels, examples_do_not_fit,
+                                  fetch_attr, quiet_fake_kernels, transform_levels_kept)
 
 __all__ = [
     "ValueInfo", "Analysis", "analyse", "input_target", "arrives_as", "explicit_dtype", "promoting_inputs",
@@ -242,7 +244,11 @@ class _Walker:
 
     def run(self) -> Analysis:
         guard = self.mode if self.mode is not None else contextlib.nullcontext()
-        with guard, eval_mode(self.gm), torch.autocast("cpu", enabled=False):
+        # symbolic sizes (torch.export's dynamic dimensions) need the Python dispatcher, as export traced with it:
+        # without it a meta kernel's expand(SymInt...) fails (BLOOM's alibi.baddbmm)
+        symbolic = getattr(self.mode, "shape_env", None) is not None
+        dispatcher = enable_python_dispatcher() if symbolic else contextlib.nullcontext()
+        with guard, dispatcher, eval_mode(self.gm), torch.autocast("cpu", enabled=False), transform_levels_kept():
             for node in self.gm.graph.nodes:
                 info = self._visit(node)
                 new = self.repaint(node, info) if self.repaint is not None else None
@@ -312,6 +318,8 @@ class _Walker:
                   target: Optional[torch.dtype], decision: str) -> ValueInfo:
         """Run the op's fake kernel on its inputs cast as ``target`` asks; memoised per input dtypes."""
         signature = (node, decision, target, tuple((n.name, i.float_dtype, i.dtype) for n, i in inputs.items()))
+        if changes_transform_levels(node):
+            signature = None  # a vmap/grad level push or pop: run on every walk (amp_fx/ir/fake_calls.py)
         if signature in self.cache:
             cached = self.cache[signature]
             if cached.unknown:
@@ -340,7 +348,8 @@ class _Walker:
                 self.cache[same_call] = info
         if info.unknown:
             self.unknown[node.name] = info.unknown
-        self.cache[signature] = info
+        if signature is not None:
+            self.cache[signature] = info
         return info
 
     def _fails_as_written(self, node: fx.Node, given: dict[fx.Node, ValueInfo], error: Exception) -> bool:

@@ -256,6 +256,8 @@ def _free_kind(node: fx.Node, decision: str, kinds: dict, dtypes: dict, sided: d
     m = node.meta
     if node not in sided or decision not in ("follow", "promote") or m.get(meta.RULE) == "policy":
         return None
+    if decision == "promote" and op_properties.of(m.get(meta.OP)).table == "unknown":
+        return None  # an undecided custom op made to promote (assign_precision): it computes what it did
     if node.op not in ("call_function", "call_method") or m.get(meta.INPLACE) or explicit_dtype(node):
         return None
     if any(kinds[n] == "container" or (dtypes.get(n) is not None and n not in sided) for n in _inputs(node)):

@@ -6,6 +6,17 @@ parameters cast as the rewritten program casts them), keys the result by
 the inputs' metadata so a model's repeated layers are fake-run once
 (:func:`call_key`), and words the error for example inputs the model itself
 rejects (:func:`examples_do_not_fit`).
+
+A Dynamo graph that traced ``torch.vmap`` (transformers' Mamba scan runs
+``associative_scan``, which vmaps its combine function) or ``torch.func.grad``
+holds calls that push and pop functorch's per-thread transform levels
+(``_vmap_increment_nesting`` ... ``_vmap_decrement_nesting``).  Fake-running
+them changes that real state, so they run on every walk, in graph order, and
+are never served from a memo (:func:`changes_transform_levels`); a walk that
+stops half-way gives the levels back (:func:`transform_levels_kept`).  A
+memoised push with a memo-missed pop left a level behind, and Dynamo then
+refused its own graph: "Guard failed on the same frame it was created ...
+compare_functorch_state".
 """
 
 from __future__ import annotations
@@ -22,7 +33,8 @@ from amp_fx.errors import AmpValueError
 from amp_fx.ir import meta
 from amp_fx.ir.meta import ValueInfo
 
-__all__ = ["examples_do_not_fit", "quiet_fake_kernels", "Described", "call_key", "fetch_attr", "call_on_fakes"]
+__all__ = ["examples_do_not_fit", "quiet_fake_kernels", "Described", "call_key", "fetch_attr", "call_on_fakes",
+           "changes_transform_levels", "transform_levels_kept"]
 
 
 def examples_do_not_fit(node: fx.Node, reason: str, examples: Mapping[fx.Node, Any]) -> AmpValueError:
@@ -47,6 +59,23 @@ def quiet_fake_kernels() -> Iterator[None]:
         fake_log.setLevel(level)
 
 
+def changes_transform_levels(node: fx.Node) -> bool:
+    """Whether ``node`` pushes or pops a functorch transform level (vmap, grad, jvp): state, not a value."""
+    name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+    return name.endswith(("_increment_nesting", "_decrement_nesting"))
+
+
+@contextlib.contextmanager
+def transform_levels_kept() -> Iterator[None]:
+    """Leave functorch's transform-level stack as deep as it was on entry, however the block ends."""
+    depth = torch._C._functorch.get_dynamic_layer_stack_depth()
+    try:
+        yield
+    finally:
+        if torch._C._functorch.get_dynamic_layer_stack_depth() != depth:
+            torch._C._functorch.pop_dynamic_layer_stack_and_undo_to_depth(depth)
+
+
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
 
 
@@ -64,7 +93,7 @@ def call_key(node: fx.Node, args: tuple, kwargs: dict, target: Optional[torch.dt
     Only functions and methods (a module's forward may read any attribute);
     only static shapes (a symbolic size stands for a value the key cannot see).
     """
-    if node.op not in ("call_function", "call_method"):
+    if node.op not in ("call_function", "call_method") or changes_transform_levels(node):
         return None
     parts: list = []
 

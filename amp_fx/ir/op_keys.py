@@ -17,10 +17,23 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._library.custom_ops import CustomOpDef
 
 from amp_fx.ir.op_properties import CAST_OPS  # ops that are themselves casts (re-exported; defined with every op property)
 
-__all__ = ["canonical_op", "is_inplace", "CAST_OPS", "module_op_name", "op_name_of", "callable_op_name"]
+__all__ = ["canonical_op", "is_inplace", "CAST_OPS", "module_op_name", "op_name_of", "callable_op_name",
+           "TORCH_NAMESPACES", "custom_overload", "is_custom_op"]
+
+# Namespaces of PyTorch's own operators: their ops are named by the bare op name (``aten.mm.default``
+# is ``"mm"``), so one table serves every route.  An op of any other namespace is a custom op
+# (``torch.library``) and is named ``"ns::name"`` on every route: the qualified name torch itself
+# uses, which no ATen name can collide with (``transformers::grouped_mm_fallback``).
+TORCH_NAMESPACES = frozenset({
+    "aten", "prims", "prim", "quantized", "_quantized", "quantized_decomposed", "quantization", "_quant",
+    "mkldnn", "mkldnn_prepacked", "mkl", "onednn", "sparse", "symm_mem", "static_runtime", "c10d",
+    "_c10d_functional", "_c10d_functional_autograd", "_dtensor", "inductor", "inductor_prims", "higher_order",
+    "profiler", "debugprims", "rngprims", "_native", "debug_mode_ops", "export", "_test",
+})
 
 # ATen spellings that mean the same op as a torch-level name.
 _ATEN_ALIASES = {
@@ -204,6 +217,11 @@ def _function_name(target: Callable, args: tuple) -> tuple[str, bool]:
         if name == "div" and args and not isinstance(args[0], fx.Node):
             name = "rtruediv"
         return name, target in _INPLACE_OPERATORS
+    if isinstance(target, CustomOpDef):  # the function @torch.library.custom_op returns
+        target = target._opoverload
+    custom = custom_overload(target)
+    if custom is not None:
+        return _qualified_name(target), _writes_first_argument(custom)
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         raw = target._opname if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name.split("::")[-1]
         if raw in _ATEN_ALIASES:
@@ -213,6 +231,40 @@ def _function_name(target: Callable, args: tuple) -> tuple[str, bool]:
     raw = getattr(target, "__name__", None) or type(target).__name__
     name, inplace = _strip_inplace(raw)
     return _PY_ALIASES.get(name, name), inplace
+
+
+def _qualified_name(target: Any) -> str:
+    """``"ns::name"`` of an OpOverload or OpOverloadPacket, without the overload."""
+    return target._qualified_op_name if isinstance(target, torch._ops.OpOverloadPacket) else target._schema.name
+
+
+def custom_overload(target: Any) -> Optional[torch._ops.OpOverload]:
+    """The overload a call of a custom (non-PyTorch) op runs, or None for anything else.
+
+    A packet (Dynamo and symbolic tracing record ``torch.ops.ns.name``) stands for its
+    ``default`` overload, or its only one.
+    """
+    if isinstance(target, torch._ops.OpOverload):
+        return target if target.namespace not in TORCH_NAMESPACES else None
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        namespace = target._qualified_op_name.split("::")[0]
+        names = target.overloads()
+        if namespace in TORCH_NAMESPACES or not names:
+            return None
+        return getattr(target, "default" if "default" in names else names[0])
+    return None
+
+
+def is_custom_op(op: Optional[str]) -> bool:
+    """True for a canonical name of a custom op (``"ns::name"``), which :func:`op_name_of` keeps as written."""
+    return bool(op) and "::" in op
+
+
+def _writes_first_argument(op: torch._ops.OpOverload) -> bool:
+    """The op's schema says it writes its first argument (``mutates_args`` names it)."""
+    arguments = op._schema.arguments
+    alias = arguments[0].alias_info if arguments else None
+    return bool(alias is not None and alias.is_write)
 
 
 _DUNDER_INPLACE = frozenset({"add", "sub", "mul", "truediv", "floordiv", "matmul", "pow", "and", "or", "xor"})
@@ -233,8 +285,19 @@ def _snake_op_name(module_type: type) -> str:
 
 
 def op_name_of(spelling: str) -> str:
-    """The canonical name of an op however a user spells it: ``"torch.matmul"``, ``"F.softmax"``, ``"x.softmax_"``, ``"aten.softmax.int"``."""
-    parts = spelling.strip().split(".")
+    """The canonical name of an op however a user spells it: ``"torch.matmul"``, ``"F.softmax"``, ``"x.softmax_"``, ``"aten.softmax.int"``.
+
+    A custom op is ``"ns::name"``, also when spelt ``"torch.ops.ns.name"`` or ``"ns.name.default"``.
+    """
+    spelling = spelling.strip()
+    if "::" in spelling:
+        return spelling.split(".")[0]  # "ns::name.overload" names the op
+    parts = spelling.split(".")
+    if parts[:2] == ["torch", "ops"]:
+        parts = parts[2:]
+    if len(parts) in (2, 3) and parts[0] not in TORCH_NAMESPACES and parts[0] not in _SPELLING_ROOTS \
+            and isinstance(_op_packet(parts[0], parts[1]), torch._ops.OpOverloadPacket):
+        return f"{parts[0]}::{parts[1]}"  # "transformers.grouped_mm_fallback[.default]", as str(target) prints it
     if len(parts) >= 3 and parts[-3] == "aten":  # an overload: "aten.softmax.int", "torch.ops.aten.add_.Tensor"
         parts = parts[:-1]
     module_type = getattr(nn, parts[-1], None)
@@ -252,6 +315,18 @@ def op_name_of(spelling: str) -> str:
 
 
 _SPELLING_ROOTS = {"torch": torch, "F": torch.nn.functional}
+
+
+def _op_packet(namespace: str, name: str) -> Any:
+    """``torch.ops.<namespace>.<name>`` if that op is registered (looking it up registers nothing), else None."""
+    if f"{namespace}::{name}" not in _registered_names():
+        return None
+    return getattr(getattr(torch.ops, namespace), name, None)
+
+
+def _registered_names() -> set:
+    """The qualified names (``"ns::name"``, no overload) of every op the dispatcher knows now."""
+    return {n.split(".")[0] for n in torch._C._dispatch_get_all_op_names()}
 
 
 def _torch_object(parts: list[str]) -> Optional[Callable]:

@@ -5,7 +5,9 @@ The autocast lists stay data in :mod:`amp_fx.ir.tables` (table class and reason,
 norms, export checks); this module reads them and defines every other property a pass decides
 by, each once, as the set of ops that have it.  :func:`of` gathers them into one frozen
 :class:`OpProperties` per op; an op listed nowhere gets the defaults (nothing known about it).
-Adding an op: its table entry in ``tables.py``, then here each property it has.
+Adding an op: its table entry in ``tables.py``, then here each property it has.  A ``torch.library``
+custom op is keyed ``"ns::name"`` (``op_keys`` names it so on every route); one listed nowhere is
+unknown, and ``passes/assign_precision.py`` gives it one dtype for its inputs.
 
 Rounding.  Two passes let an op run in the low dtype where its result is rounded low anyway,
 which rounds its input instead of its output (``minimize_casts`` moving an fp32 node low,
@@ -94,7 +96,8 @@ _BACKWARD: Mapping[str, str] = MappingProxyType({
              "relu", "neg", "abs", "diagonal", "movedim", "moveaxis", "swapaxes", "swapdims", "adjoint",
              "tensor_split", "hsplit", "vsplit", "dsplit"),
     **_group("none", "detach", "zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones",
-             "new_empty", "new_full", "size", "dim", "numel", "one_hot", "sign"),
+             "new_empty", "new_full", "size", "dim", "numel", "one_hot", "sign",
+             "sym_size", "sym_stride", "sym_numel", "sym_storage_offset"),
     **_group("masks", "clamp", "clamp_min", "clamp_max", "hardtanh", "relu6", "threshold"),
     **_group("routes", *_MAX_POOLS, "max_pool2d_with_indices"),
     # masked_fill may broadcast its input over the mask; scatter/setitem gather what they wrote.
@@ -165,7 +168,7 @@ _NON_FLOAT_RESULT = frozenset({
     "nonzero", "searchsorted", "bucketize",
 })
 _NON_TENSOR_RESULT = frozenset({"size", "dim", "numel", "ndimension", "nelement", "stride", "is_floating_point",
-                                "item", "tolist", "equal", "is_contiguous", "data_ptr"})
+                                "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "item", "tolist", "equal", "is_contiguous", "data_ptr"})
 # Ops that return several tensors (their items are read with getitem).
 _TUPLE_RESULT = frozenset({"split", "chunk", "unbind", "split_with_sizes", "topk", "sort", "var_mean", "std_mean",
                            "lstm", "gru", "rnn_tanh", "rnn_relu", "native_dropout", "max_pool2d_with_indices",

@@ -12,6 +12,9 @@ as ``QConfigMapping`` resolves it:
 3. op: a canonical name (``"softmax"``), any spelling ``python -m amp_fx tables --op`` resolves
    (``"torch.softmax"``, ``"F.softmax"``, ``"x.softmax_"``, ``"aten.softmax.int"``, a module type
    such as ``"nn.LayerNorm"`` for the op it runs), or the callable itself (``torch.softmax``).
+   A ``torch.library`` custom op is ``"ns::name"`` (``"op:transformers::grouped_mm_fallback"``;
+   ``"torch.ops.ns.name"`` and the op object work too).  Its name is checked against the ops torch
+   has registered: a misspelling is an error with close matches.
 4. the level's tables (not handled here).
 
 Setting a key again overrides its decision (the later call wins); among
@@ -33,11 +36,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
+import torch
 import torch.nn as nn
 
 from amp_fx.errors import AmpTypeError, AmpValueError
-from amp_fx.ir import op_properties
-from amp_fx.ir.op_keys import callable_op_name, op_name_of
+from amp_fx.ir import op_properties, tables
+from amp_fx.ir.op_keys import TORCH_NAMESPACES, callable_op_name, is_custom_op, op_name_of
 
 __all__ = ["Policy", "DECISIONS", "PolicyRule"]
 
@@ -55,7 +59,9 @@ class PolicyRule:
 
     def describe(self) -> str:
         """Human-readable form for the report, e.g. ``policy module 'decoder.head' -> fp32``."""
-        key = self.key.__name__ if isinstance(self.key, type) or callable(self.key) else self.key
+        key = self.key
+        if isinstance(key, type) or callable(key):  # an op object (torch.library's CustomOpDef) has no __name__
+            key = getattr(key, "__name__", None) or callable_op_name(key)
         if isinstance(key, re.Pattern):
             key = key.pattern
         return f"policy {self.kind} {key!r} -> {self.decision}"
@@ -89,11 +95,41 @@ def _op_key(spelling: str) -> str:
     a user module's or custom Function's own name (``"pkg.blocks.Attention"``).
     """
     resolved = op_name_of(spelling)
+    if is_custom_op(resolved):
+        _check_custom_op(resolved, when_loaded=True)
+        return resolved
     last = getattr(nn, spelling.strip().split(".")[-1], None)
     names_module_type = isinstance(last, type) and issubclass(last, nn.Module)
     if resolved != spelling and (names_module_type or resolved in op_properties.known_ops()):
         return resolved
     return spelling
+
+
+def _custom_ops_registered() -> set:
+    """``"ns::name"`` of every custom (non-PyTorch) op the dispatcher knows now."""
+    names = {n.split(".")[0] for n in torch._C._dispatch_get_all_op_names()}
+    return {n for n in names if n.split("::")[0] not in TORCH_NAMESPACES}
+
+
+def _check_custom_op(op: str, *, when_loaded: bool = False) -> None:
+    """Raise for a custom op name that no table decides and torch has not registered, with close matches.
+
+    ``when_loaded``: check only if the op's namespace has registered some op already (a policy may be
+    built before the library that registers its ops is imported; ``convert()`` checks again).
+    """
+    registered = _custom_ops_registered()
+    if op in registered or op in tables.CUSTOM_OPS:
+        return
+    namespace = op.split("::")[0]
+    if when_loaded and not any(name.startswith(namespace + "::") for name in registered):
+        return
+    close = difflib.get_close_matches(op, sorted(registered | tables.CUSTOM_OPS), n=3, cutoff=0.6)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    raise AmpValueError(
+        f"policy names custom op {op!r}, which torch has not registered and no amp_fx table decides.{hint} "
+        "A custom op is named 'namespace::name', as torch.library.custom_op defines it; import the module "
+        "that registers it before converting."
+    )
 
 
 def _check_decision(decision: str) -> str:
@@ -234,6 +270,9 @@ class Policy:
         candidates = sorted(present | set(known))
         for rule in self.rules:
             if rule.kind != "op" or not isinstance(rule.key, str) or rule.key in present or rule.key in candidates:
+                continue
+            if is_custom_op(rule.key):
+                _check_custom_op(rule.key)
                 continue
             close = difflib.get_close_matches(rule.key, candidates, n=3, cutoff=0.6)
             hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""

@@ -6,6 +6,8 @@ PyTorch's CUDA autocast op reference uses, so graphs traced at the torch level
 table.  Every op not listed here FOLLOWS: it runs in whatever dtype arrives.
 
 Each table maps a name to the one-line reason shown in the conversion report.
+Custom ops (``torch.library``) that well-known libraries register are keyed by
+their qualified name, ``"ns::name"``, as every route names them.
 The groups mirror the CUDA autocast reference; where CPU autocast disagrees
 the comment says so (the CUDA reference is what Apex and users expect).
 """
@@ -25,6 +27,7 @@ __all__ = [
     "DATA_MOVEMENT",
     "LOSSES",
     "EXPORT_CHECKS",
+    "CUSTOM_OPS",
     "LOW_PRECISION_DTYPES",
     "table_of",
     "all_tables",
@@ -67,6 +70,22 @@ LOW: Mapping[str, str] = MappingProxyType({
     **_group(
         "attention: fused kernels need low-precision inputs",
         "scaled_dot_product_attention", "multi_head_attention",
+    ),
+    # -- custom ops that libraries register (keyed "ns::name") --------------------------------
+    # transformers' MoE experts (integrations/moe.py): a loop of torch.mm over each expert's rows,
+    # wrapped as one op so torch.compile does not look inside.  It is a GEMM like mm: autocast
+    # would run each mm low, and it needs input and weight in one dtype (it crashes on mixed ones).
+    # Its backward op is the same mm loop (grad_input and grad_weight), called from the op's
+    # autograd formula; it is decided too, for graphs that record it.
+    **_group(
+        "GEMM: transformers' grouped expert GEMM (MoE), a loop of mm: runs low like mm",
+        "transformers::grouped_mm_fallback", "transformers::grouped_mm_fallback_backward",
+    ),
+    # transformers' MSA block-sparse attention (integrations/msa_attention.py): a CuTe-DSL
+    # flash-style CUDA kernel, which takes fp16/bf16 only, as scaled_dot_product_attention's do.
+    **_group(
+        "attention: transformers' MSA block-sparse kernel (CUDA) takes fp16/bf16 inputs",
+        "transformers_msa::sparse_atten",
     ),
 })
 
@@ -155,6 +174,8 @@ DATA_MOVEMENT: frozenset[str] = frozenset({
         "embedding", "embedding_bag", "one_hot", "tril", "triu",
         "zeros_like", "ones_like", "empty_like", "full_like", "new_zeros",
         "new_ones", "new_empty", "new_full", "size", "dim", "numel",
+        # Shape queries as torch.export records them: read sizes, decide no precision.
+        "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
         "getattr", "alias", "lift_fresh_copy", "unsafe_view", "_unsafe_view",
         # Views that select or reorder elements: a write through one must reach its input, so
         # they follow it at every level (O2 never casts a buffer before a write through its diagonal).
@@ -230,6 +251,10 @@ BANNED: Mapping[str, str] = MappingProxyType({
         "the logits instead, or pass allow_banned=True to run it in fp32."
     ),
 })
+
+# The custom ops the tables decide (their keys are "ns::name"; tests/ir/test_custom_ops.py covers them).
+CUSTOM_OPS: frozenset[str] = frozenset(
+    op for table in (LOW, FP32, PROMOTE, FOLLOW, BANNED) for op in table if "::" in op)
 
 # Normalisation ops whose parameters stay fp32 under keep_batchnorm_fp32 and
 # which run fp32 at O2.  batch_norm follows its input at O1 (cuDNN and oneDNN

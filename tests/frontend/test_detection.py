@@ -15,7 +15,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_fx
-from routes import RoundST
 from amp_fx.errors import AmpError, UnsupportedConstructError
 
 
@@ -214,15 +213,6 @@ class ShapeBranch(nn.Module):
         return self.inner(x)
 
 
-class WithFunction(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return RoundST.apply(self.a(x))
-
-
 class WithCheckpoint(nn.Module):
     def __init__(self):
         super().__init__()
@@ -234,7 +224,6 @@ class WithCheckpoint(nn.Module):
 
 @pytest.mark.parametrize("inner, construct, line", [
     (Counter(), "module attribute assignment in forward", "self.calls += 1"),
-    (WithFunction(), "drops its backward", "RoundST.apply(self.a(x))"),
     (WithCheckpoint(), "inlines checkpointed regions", "torch.utils.checkpoint.checkpoint(self.a, x"),
     (ForkRng(), "torch.random.fork_rng", "with torch.random.fork_rng():"),
 ])

@@ -20,7 +20,9 @@ from amp_fx.ir.op_keys import canonical_op
 # -- the two lists as the passes had them before the registry ------------------------------------
 # Views that joined DATA_MOVEMENT after the registry (a write through one must reach what it views).
 LATER_DATA_MOVEMENT = {"diagonal", "as_strided", "unfold", "movedim", "moveaxis", "swapaxes", "swapdims", "adjoint",
-                       "tensor_split", "hsplit", "vsplit", "dsplit"}
+                       "tensor_split", "hsplit", "vsplit", "dsplit",
+                       # shape queries as torch.export records them, classed with size/dim/numel in issue 26
+                       "sym_size", "sym_stride", "sym_numel", "sym_storage_offset"}
 OLD_FUSE = (tables.DATA_MOVEMENT - LATER_DATA_MOVEMENT) | {"relu", "relu6", "neg", "abs", "max_pool1d", "max_pool2d", "max_pool3d",
                                    "adaptive_max_pool1d", "adaptive_max_pool2d"}
 OLD_MINIMIZE = {  # _MOVABLE's "exact" tag
