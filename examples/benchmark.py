@@ -6,6 +6,7 @@ Run from a checkout::
     python examples/benchmark.py                          # full sizes, CPU bf16, inductor, 1 thread
     python examples/benchmark.py --model transformer --no-compile --rounds 15
     python examples/benchmark.py --device cuda --dtype fp16
+    python examples/benchmark.py --preset issue14 --model mlp,gpt --accumulation-only --rounds 15
 
 For every model (MLP, CNN with BatchNorm, transformer encoder, GPT decoder
 with tied embeddings) and every mode (fp32, torch.autocast, amp_fx O1/O2/O3
@@ -19,6 +20,8 @@ followed by the issue-7 targets that apply to it, met or missed.  How the
 figures are taken is documented in ``bench_measure`` (timing, memory, GEMM
 split, casts) and ``bench_modes`` (what a step is).  Then it measures
 convert time against depth and the torch.export route (``bench_scaling``).
+``--inference`` and ``--accumulation`` add the inference and gradient-accumulation
+tables (``bench_inference``, ``bench_accumulation``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from bench_modes import COMPILED_BASELINE, EAGER_BASELINE, MODES, build_trainer,
 from bench_scaling import convert_vs_depth, export_route  # noqa: E402
 from bench_inference import bench_inference, inference_targets, print_inference  # noqa: E402
 from bench_fused import bench_fused, print_fused  # noqa: E402
+from bench_accumulation import accumulation_targets, bench_accumulation, print_accumulation  # noqa: E402
 
 __all__ = ["main", "parse_args", "bench_model", "check_targets"]
 
@@ -79,6 +83,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="also time eval()/no_grad forwards: O1 (cached weight casts) vs autocast vs fp32 (bench_inference)")
     parser.add_argument("--inference-only", action="store_true", help="only the inference tables")
     parser.add_argument("--inference-batches", default="1,8", help="batch sizes of the inference tables (default 1,8)")
+    parser.add_argument("--accumulation", action="store_true",
+                        help="also gradient accumulation: O1 (weights cast once per step) and O2 (fp32 accumulation) "
+                             "vs autocast, k micro-batches per step (bench_accumulation)")
+    parser.add_argument("--accumulation-only", action="store_true", help="only the gradient-accumulation tables")
+    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per optimizer step (default 4)")
     parser.add_argument("--fused", action="store_true",
                         help="also the fused-norm lever: a GroupNorm CNN at O1 with and without fuse_precision (bench_fused)")
     args = parser.parse_args(argv)
@@ -90,6 +99,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.depths = [int(d) for d in (args.depths or ("2,4" if args.quick else "6,24,96")).split(",")]
     args.models = list(MODEL_NAMES) if args.model == "all" else args.model.split(",")
     args.inference = args.inference or args.inference_only
+    args.accumulation = args.accumulation or args.accumulation_only
+    args.only = args.inference_only or args.accumulation_only  # no training tables, no convert-time scaling
     args.inference_batches = [int(b) for b in args.inference_batches.split(",")]
     modes = list(MODES) if args.modes == "all" else [m.strip() for m in args.modes.split(",")]
     if args.no_compile:
@@ -230,6 +241,19 @@ def run_inference(args: argparse.Namespace, results: dict) -> None:
             results[f"inference {name} batch {batch}"] = result
 
 
+def run_accumulation(args: argparse.Namespace, results: dict) -> None:
+    """The gradient-accumulation tables (MLP and GPT by default: the models issue 27 names) and their targets."""
+    dtype = DTYPES[args.dtype]
+    capability = cpu_capability() if args.device == "cpu" else ""
+    names = [n for n in args.models if n in ("mlp", "gpt")] or args.models
+    for name in names:
+        result = bench_accumulation(name, args, dtype)
+        print_accumulation(result, capability)
+        for label, met, figures in accumulation_targets(result):
+            print(f"  target {'met ' if met else 'MISS'}  {label}: {figures}")
+        results[f"accumulation {name}"] = result
+
+
 def cpu_capability() -> str:
     """The CPU's native bf16 support: oneDNN's answer and the lscpu flags that give it."""
     flags = ""
@@ -283,7 +307,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                   f"{', inductor caches off' if not args.warm_cache else ''}", flush=True)
             if args.device == "cpu":
                 print(cpu_capability(), flush=True)
-            if not args.scaling_only and not args.inference_only:
+            if not args.scaling_only and not args.only:
                 for name in args.models:
                     result = bench_model(name, args)
                     print_table(result)
@@ -292,10 +316,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     results[name] = result
             if args.inference and not args.scaling_only:
                 run_inference(args, results)
+            if args.accumulation and not args.scaling_only:
+                run_accumulation(args, results)
             if args.fused and not args.scaling_only:
                 results["fused"] = bench_fused(args, DTYPES[args.dtype], **({"batch": 4, "image": 8, "width": 8} if args.quick else {}))
                 print_fused(results["fused"])
-            if not args.no_scaling and not args.inference_only:
+            if not args.no_scaling and not args.only:
                 run_scaling(args)
         finally:
             torch.set_num_threads(threads)

@@ -1,12 +1,16 @@
-"""Rewrite: parameter casts become :func:`amp_fx.graph_ops.cast_cache.cached_cast`, reused across forwards in inference.
+"""Rewrite: parameter casts become :func:`amp_fx.graph_ops.cast_cache.cached_cast`, reused across forwards.
 
 ``insert_casts`` casts each fp32 parameter once per forward (``w.to(bf16)``).
-Under ``torch.no_grad()`` / ``inference_mode`` (or for a frozen parameter)
-that cast gives the same tensor until the parameter changes, so this pass
+Until the parameter changes that cast gives the same tensor, so this pass
 swaps it for :func:`~amp_fx.graph_ops.cast_cache.cached_cast`, which serves the cast
 made by an earlier forward while the parameter's version counter, storage
-and shape say it is unchanged, and is an ordinary autograd cast otherwise
-(training).  Repeated inference then pays no weight casts at all.
+and shape say it is unchanged (and no optimizer stepped it since).
+``cache_casts=True`` serves it only where autograd does not record the cast
+(``torch.no_grad()`` / ``inference_mode``, a frozen parameter) and casts as an
+ordinary autograd op in training: repeated inference pays no weight casts.
+``cache_casts="training"`` (the node's ``training=True``) serves it in
+training too, one autograd node per use over the cached copy: under
+gradient accumulation each weight is cast once per optimizer step.
 
 A cast is left as it is where a cached tensor could be changed or handed out:
 one whose value (or a view of it) reaches the graph's output or an in-place
@@ -44,8 +48,10 @@ def _escapes(node: fx.Node) -> bool:
 @amp_pass(kind="rewrite", requires=("meta",))
 def cache_weight_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Turn parameter casts into cached casts (see the module docstring)."""
-    if not getattr(ctx.config, "cache_casts", True) or ctx.route == "dynamo":
+    scope = getattr(ctx.config, "cache_casts", True)
+    if not scope or ctx.route == "dynamo":
         return PassResult(gm, False, {"cached": 0, "skipped": "cache_casts=False" if ctx.route != "dynamo" else "compiled graph"})
+    kwargs = {"training": True} if scope == "training" else {}
     graph = gm.graph
     cached = kept = 0
     for node in list(graph.nodes):
@@ -58,13 +64,18 @@ def cache_weight_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             kept += 1
             continue
         with graph.inserting_before(node):
-            swapped = graph.call_function(cached_cast, (source, cast_target(node)))
+            swapped = graph.call_function(cached_cast, (source, cast_target(node)), dict(kwargs))
         swapped.meta.update(node.meta)
         node.replace_all_uses_with(swapped)
         graph.erase_node(node)
         cached += 1
-    stats = {"cached": cached, "kept": kept}
+    stats = {"cached": cached, "kept": kept, "scope": "training" if kwargs else "inference"}
     if cached:
-        stats["report_lines"] = [f"{cached} weight cast(s) reused across forwards where autograd does not record them "
-                                 f"(no_grad, inference_mode, frozen parameters); invalidated by each parameter's version"]
+        if kwargs:
+            line = (f"{cached} weight cast(s) made once per parameter version and reused across forwards, training "
+                    f"included (cache_casts='training'): under gradient accumulation one cast per optimizer step")
+        else:
+            line = (f"{cached} weight cast(s) reused across forwards where autograd does not record them "
+                    f"(no_grad, inference_mode, frozen parameters); invalidated by each parameter's version")
+        stats["report_lines"] = [line]
     return PassResult(gm, cached > 0, stats)

@@ -169,7 +169,7 @@ def convert(
     minimize_casts: Optional[bool] = None,
     pad_gemm: Union[None, str, bool] = None,
     fuse_precision: Optional[bool] = None,
-    cache_casts: Optional[bool] = None,
+    cache_casts: Optional[Union[bool, str]] = None,
     dynamic_shapes: Any = None,
 ) -> AmpGraphModule:
     """Return ``model`` rewritten for mixed precision at Apex level ``level`` (O0-O3).
@@ -197,7 +197,9 @@ def convert(
         cache_casts: reuse each parameter's low-precision cast across
             forwards where autograd does not record it (``no_grad``,
             ``inference_mode``, frozen parameters), until the parameter
-            changes (default False). Hazard: a write through ``p.data``
+            changes (default False). ``"training"`` reuses it in training
+            too, so under gradient accumulation each weight is cast once per
+            optimizer step; each use stays its own autograd node. Hazard: a write through ``p.data``
             (``p.data.mul_(0.5)``) bumps no version counter and is not
             detected (only reading the whole weight could tell), so the old
             cast is served; after one call ``gm.clear_cast_cache()``, or write

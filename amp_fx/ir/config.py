@@ -84,9 +84,11 @@ class AmpConfig:
     minimize_casts: bool = False
     pad_gemm: Union[str, bool] = "auto"
     fuse_precision: bool = True  # fp32 norms as fused mixed-dtype kernels where precision is kept (passes/fuse_precision)
-    # Weight casts reused across forwards when autograd does not record them (amp_fx/cast_cache).  Opt-in:
-    # an in-place write through ``p.data`` bypasses the version counter the cache is keyed to.
-    cache_casts: bool = False
+    # Weight casts reused across forwards (amp_fx/graph_ops/cast_cache.py), keyed to each parameter's version:
+    # True where autograd does not record them (inference); "training" in training too, so gradient accumulation
+    # casts each weight once per optimizer step.  Opt-in: an in-place write through ``p.data`` (a hand-written
+    # ``p.data -= lr * p.grad``) bypasses the version counter the cache is keyed to.
+    cache_casts: Union[bool, str] = False
 
     @property
     def low_dtype(self) -> torch.dtype:
@@ -145,10 +147,12 @@ def make_config(level: str = "O1", **overrides: Any) -> AmpConfig:
         raise AmpValueError(
             f"cast_model_outputs must be a torch.dtype, False (keep the graph's dtypes) or None (the level's "
             f"default), got {settings['cast_model_outputs']!r}")
-    for flag in ("keep_batchnorm_fp32", "keep_losses_fp32", "master_weights", "allow_banned", "minimize_casts", "cast_params", "fuse_precision",
-                 "cache_casts"):
+    for flag in ("keep_batchnorm_fp32", "keep_losses_fp32", "master_weights", "allow_banned", "minimize_casts", "cast_params", "fuse_precision"):
         if not isinstance(settings[flag], bool):
             raise AmpTypeError(f"{flag} must be True or False, got {settings[flag]!r}")
+    if not (isinstance(settings["cache_casts"], bool) or settings["cache_casts"] == "training"):
+        raise AmpTypeError(f"cache_casts must be False, True (inference: where autograd does not record the cast) or "
+                           f"'training' (training too: one cast per optimizer step), got {settings['cache_casts']!r}")
     if settings["on_unknown_op"] not in _UNKNOWN_OP_MODES:
         raise AmpValueError(f"on_unknown_op must be one of {_UNKNOWN_OP_MODES}, got {settings['on_unknown_op']!r}")
     if settings["pad_gemm"] not in _PAD_MODES:

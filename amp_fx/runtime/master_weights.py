@@ -34,6 +34,18 @@ unset and its masters are on CPU, Adam and AdamW step fused and SGD foreach
 (torch would step them one tensor at a time there; see
 :mod:`amp_fx.runtime.step_impl`); pass ``foreach=False`` to keep the loop.
 
+With ``fp32_grad_accumulation=True`` the masters' gradients are kept instead:
+each low gradient is added into its master's fp32 gradient as backward makes
+it, and freed (:mod:`amp_fx.runtime.fp32_grad_accumulation`), so the sum over
+k micro-batches rounds in fp32, not in bf16/fp16. The masters' gradients are
+then the accumulator: the wrapper's ``step()`` frees them after
+the update, a step the scaler skips drops them, and ``mw.zero_grad()`` zeroes
+them; ``module.zero_grad()`` does not reach them (the low gradients are already
+gone). Clip ``mw.master_parameters()``; the module's low parameters hold no
+gradient. Opt-in: it costs 4 bytes per low parameter from backward to the
+step, and DDP/FSDP reduce the low gradients the hook frees (refused under
+``torch.distributed``).
+
 Under FSDP2 (module sharded by ``fully_shard`` before this wrapper is built)
 each master is a DTensor shard placed like its parameter, cut from the full
 fp32 original, so a rank holds 1/world_size of the masters; gradients and
@@ -53,6 +65,7 @@ from amp_fx.converter.graph_module import MASTER_ATTR
 from amp_fx.graph_ops.master_sync import record, writers
 from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer, check_inner_optimizer
 
+from . import fp32_grad_accumulation as fp32_accum
 from .dtensors import is_dtensor, local_tensor, refuse_replaced_params, shard_like
 from .master_copies import CopyGroup, group_pairs
 from .modules import unwrap_compiled
@@ -85,6 +98,19 @@ def _check_module(module: nn.Module) -> None:
         )
 
 
+def _check_fp32_accumulation(module: nn.Module) -> None:
+    """Refuse fp32_grad_accumulation where another tool reads the low gradients the hook frees."""
+    sharded = any(is_dtensor(p) for p in module.parameters())
+    if sharded or (dist.is_available() and dist.is_initialized()):
+        raise AmpValueError(
+            "MasterWeightOptimizer(fp32_grad_accumulation=True) frees each low-precision gradient as soon as "
+            "backward makes it (after adding it into the fp32 master's), but DDP and FSDP reduce those gradients "
+            "after that point, so they would reduce nothing" + (" (this module's parameters are DTensor shards)"
+                                                                 if sharded else " (torch.distributed is initialized)")
+            + ". Leave fp32_grad_accumulation off under torch.distributed; FSDP2's reduce_dtype=torch.float32 "
+            "keeps the reduced gradients fp32.")
+
+
 class MasterWeightOptimizer(WrappedOptimizer):
     """Step fp32 master copies of a low-precision module's parameters, then copy them back.
 
@@ -104,6 +130,10 @@ class MasterWeightOptimizer(WrappedOptimizer):
             calling ``mw.step()`` directly (Apex style): it then checks, unscales
             and skips through the scaler and returns whether it stepped. With
             ``scaler.step(mw)`` it is not needed.
+        fp32_grad_accumulation: add each low gradient into its master's fp32
+            gradient as backward makes it, and free it (default False; module
+            docstring): gradient accumulation over micro-batches then rounds in
+            fp32. Costs 4 bytes per low parameter between backward and step.
 
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own
     objects, so LR schedulers built over this wrapper (or over the wrapped
@@ -117,10 +147,16 @@ class MasterWeightOptimizer(WrappedOptimizer):
         module: nn.Module,
         masters: Mapping[str, torch.Tensor] | None = None,
         scaler: Any = None,
+        fp32_grad_accumulation: bool = False,
     ) -> None:
         check_inner_optimizer(optimizer, "MasterWeightOptimizer")
         module = unwrap_compiled(module)
         _check_module(module)
+        if not isinstance(fp32_grad_accumulation, bool):
+            raise AmpValueError(f"fp32_grad_accumulation must be True or False, got {fp32_grad_accumulation!r}")
+        if fp32_grad_accumulation:
+            _check_fp32_accumulation(module)
+        self._fp32_accum = fp32_grad_accumulation
         self.optimizer = optimizer
         self.module = module
         self._scaler = scaler
@@ -167,6 +203,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
             group["params"] = params
         self._move_state_to_masters()
         prefer_fast_step(optimizer)
+        self._claim_grads()
         if any(is_dtensor(p) for p in self._params.values()) and getattr(module, "amp_fx_masters", None):
             # The full fp32 originals must not stay referenced from the module: the
             # masters are now this rank's shards.
@@ -267,6 +304,20 @@ class MasterWeightOptimizer(WrappedOptimizer):
         group["params"] = [self._master_for(p, adopt=True) for p in params]
         self.optimizer.add_param_group(group)
         prefer_fast_step(self.optimizer)
+        self._claim_grads()
+
+    def _claim_grads(self) -> None:
+        """Route the low gradients into the masters' (fp32_grad_accumulation), or take back an older wrapper's route."""
+        if self._fp32_accum:
+            for param, master in self._pairs:
+                fp32_accum.claim(param, master, self)
+        else:
+            fp32_accum.release(param for param, _ in self._pairs)
+
+    def _free_master_grads(self) -> None:
+        """fp32_grad_accumulation: the masters' gradients are this step's accumulator; free them."""
+        for _, master in self._pairs:
+            master.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the masters and of the module's low-precision parameters."""
@@ -293,14 +344,20 @@ class MasterWeightOptimizer(WrappedOptimizer):
             # Only fully_shard (which needs a process group) replaces parameters; the
             # check walks every parameter's path, so single processes skip it.
             refuse_replaced_params(self.module, self._params)
-        with torch.no_grad():
-            for group in self._copy_groups():
-                group.copy_grads_to_masters()
+        if self._fp32_accum:
+            # The hooks added every gradient backward made; one set by hand (or before the hooks) is added now.
+            fp32_accum.drain(self._pairs)
+        else:
+            with torch.no_grad():
+                for group in self._copy_groups():
+                    group.copy_grads_to_masters()
         self._grads_synced = True
 
     def _discard_synced_grads(self) -> None:
-        """Forget this iteration's sync (the scaler skipped the step)."""
+        """Forget this iteration's sync (the scaler skipped the step; fp32_grad_accumulation: drop the sum too)."""
         self._grads_synced = False
+        if self._fp32_accum:
+            self._free_master_grads()
 
     def _copy_masters_to_module(self) -> None:
         with torch.no_grad():
@@ -329,6 +386,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._sync_grads_to_masters()
         self.optimizer.step()
         self._copy_masters_to_module()
+        if self._fp32_accum:
+            self._free_master_grads()  # the next micro-batches start a new sum (and the 4 bytes/param are freed)
         self._grads_synced = False
         self._grad_epoch += 1
         return loss
