@@ -17,7 +17,8 @@ import html
 import os
 import shutil
 import subprocess
-from typing import Any, Optional
+from collections import Counter
+from typing import Any, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -25,9 +26,10 @@ import torch.fx as fx
 from amp_fx.ir.cast_costs import cast_bytes
 from amp_fx.ir import meta
 from amp_fx.ir.meta import float_dtype
+from amp_fx.inspection.draw_blocks import Block, Item, group_blocks
 from amp_fx.errors import AmpRuntimeError, AmpTypeError, AmpValueError
 
-__all__ = ["draw", "dot_source", "builtin_svg", "category", "COLOURS"]
+__all__ = ["draw", "dot_source", "builtin_svg", "category", "COLOURS", "MAX_SIZE"]
 
 # category -> (fill, stroke)
 COLOURS = {
@@ -39,7 +41,10 @@ COLOURS = {
 }
 _LEGEND = (("low", "low precision"), ("fp32", "fp32"), ("cast", "cast"), ("follow", "follows its input"))
 _LOW = (torch.float16, torch.bfloat16)
-_BOX_W, _BOX_H, _GAP_X, _GAP_Y, _MARGIN = 172, 58, 18, 34, 16
+_BOX_W, _BOX_H, _GAP_X, _GAP_Y, _MARGIN, _LEGEND_H = 172, 58, 18, 34, 16, 28
+# The picture's default bound: a graph drawn node by node that would not fit is grouped into module blocks.
+MAX_SIZE = (2000, 2000)
+Group = Union[str, int, None]
 
 
 def category(node: fx.Node) -> str:
@@ -84,11 +89,13 @@ def _tooltip(node: fx.Node) -> str:
     return "\n".join(parts)
 
 
+def _bytes_text(size: int) -> str:
+    return f"{size} B" if size < 1024 else f"{size / 1024:.1f} KB" if size < 1024 ** 2 else f"{size / 1024 ** 2:.1f} MB"
+
+
 def _edge_label(node: fx.Node) -> str:
     size = cast_bytes(node) if meta.INSERTED.get(node) and meta.DECISION.get(node) == "cast" else None
-    if not size:
-        return ""
-    return f"{size} B" if size < 1024 else f"{size / 1024:.1f} KB" if size < 1024 ** 2 else f"{size / 1024 ** 2:.1f} MB"
+    return _bytes_text(size) if size else ""
 
 
 # -- Graphviz -----------------------------------------------------------------------
@@ -96,8 +103,14 @@ def _dot_quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def dot_source(converted: fx.GraphModule) -> str:
-    """Graphviz DOT source of the converted graph: one cluster per module, nodes coloured by precision."""
+def dot_source(converted: fx.GraphModule, group: Group = None, max_size: tuple[int, int] = MAX_SIZE) -> str:
+    """Graphviz DOT source of the converted graph: one cluster per module, nodes coloured by precision.
+
+    With ``group`` (as :func:`draw`), a graph that would not fit is drawn as module blocks instead.
+    """
+    items = _items(converted, group, max_size)
+    if any(isinstance(item, Block) for item in items):
+        return _dot_blocks(items)
     lines = ["digraph amp_fx {", "  rankdir=TB;", '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];',
              '  edge [fontname="Helvetica", fontsize=8, color="#777777"];']
     by_module: dict[str, list[fx.Node]] = {}
@@ -139,6 +152,27 @@ def dot_source(converted: fx.GraphModule) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _dot_blocks(items: list[Item]) -> str:
+    """DOT source of a grouped picture: one box per block or single node, edges between them."""
+    lines = ["digraph amp_fx {", "  rankdir=TB;", '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];',
+             '  edge [color="#777777"];']
+    for item in items:
+        if isinstance(item, Block):
+            kind, label, tip = _block_category(item), _block_label(item), _block_tooltip(item)
+            extra = f', penwidth=2.5, URL={_dot_quote("#" + item.name + "-nodes")}'
+        else:
+            kind, label, tip, extra = category(item), _label(item), _tooltip(item), ""
+        text = "\n".join(line for line in label if line)
+        lines.append(f"  {_dot_quote(item.name)} [label={_dot_quote(text)}, fillcolor={_dot_quote(COLOURS[kind][0])}, "
+                     f"tooltip={_dot_quote(tip)}{extra}];")
+    inputs, _ = _edges(items)
+    for item in items:
+        for source in inputs[item]:
+            lines.append(f"  {_dot_quote(source.name)} -> {_dot_quote(item.name)};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
 def _graphviz_svg(source: str, dot: str) -> str:
     done = subprocess.run([dot, "-Tsvg"], input=source, capture_output=True, text=True, timeout=120)
     if done.returncode != 0 or "<svg" not in done.stdout:
@@ -148,37 +182,56 @@ def _graphviz_svg(source: str, dot: str) -> str:
 
 
 # -- the built-in layout --------------------------------------------------------------
-def _layers(nodes: list[fx.Node]) -> dict[fx.Node, int]:
-    """Layer of every node: longest path from the inputs; parameter chains sit just above their first user."""
-    anchored: dict[fx.Node, bool] = {}
-    height: dict[fx.Node, int] = {}
-    depth: dict[fx.Node, int] = {}
-    for node in nodes:
-        preds = node.all_input_nodes
-        anchored[node] = node.op == "placeholder" or any(anchored[p] for p in preds)
-        if not anchored[node]:
-            height[node] = 1 + max((height[p] for p in preds), default=-1)
+# The layout works on items: graph nodes, or module blocks (amp_fx/inspection/draw_blocks.py) standing for many.
+def _edges(items: list[Item]) -> tuple[dict[Item, list[Item]], dict[Item, list[Item]]]:
+    """Each item's inputs and users among ``items`` (edges inside a block, and to nodes not drawn, are dropped)."""
+    owner: dict[fx.Node, Item] = {}
+    for item in items:
+        for node in item.nodes if isinstance(item, Block) else (item,):
+            owner[node] = item
+    inputs: dict[Item, list[Item]] = {item: [] for item in items}
+    users: dict[Item, list[Item]] = {item: [] for item in items}
+    for item in items:
+        for node in item.nodes if isinstance(item, Block) else (item,):
+            for source in node.all_input_nodes:
+                other = owner.get(source)
+                if other is not None and other is not item and other not in inputs[item]:
+                    inputs[item].append(other)
+                    users[other].append(item)
+    return inputs, users
+
+
+def _layers(items: list[Item], inputs: dict[Item, list[Item]], users: dict[Item, list[Item]]) -> dict[Item, int]:
+    """Layer of every item: longest path from the inputs; parameter chains sit just above their first user."""
+    anchored: dict[Item, bool] = {}
+    height: dict[Item, int] = {}
+    depth: dict[Item, int] = {}
+    for item in items:
+        preds = [p for p in inputs[item] if p in anchored]  # items are in graph order: inputs come first
+        anchored[item] = (isinstance(item, Block) or item.op == "placeholder") or any(anchored[p] for p in preds)
+        if not anchored[item]:
+            height[item] = 1 + max((height[p] for p in preds), default=-1)
             continue
-        depth[node] = max([depth[p] + 1 for p in preds if anchored[p]] + [height[p] + 1 for p in preds if not anchored[p]], default=0)
-    for node in reversed(nodes):
-        if not anchored[node]:
-            users = [depth[u] for u in node.users if u in depth]
-            depth[node] = min(users) - 1 if users else height[node]
+        depth[item] = max([depth[p] + 1 for p in preds if anchored[p]] + [height[p] + 1 for p in preds if not anchored[p]], default=0)
+    for item in reversed(items):
+        if not anchored[item]:
+            below = [depth[u] for u in users[item] if u in depth]
+            depth[item] = min(below) - 1 if below else height[item]
     return depth
 
 
-def _order(nodes: list[fx.Node], depth: dict[fx.Node, int]) -> list[list[fx.Node]]:
-    """Nodes per layer, ordered by a few barycentre sweeps to cut edge crossings."""
-    rows: dict[int, list[fx.Node]] = {}
-    for node in nodes:
-        rows.setdefault(depth[node], []).append(node)
+def _order(items: list[Item], depth: dict[Item, int], inputs: dict[Item, list[Item]], users: dict[Item, list[Item]]) -> list[list[Item]]:
+    """Items per layer, ordered by a few barycentre sweeps to cut edge crossings."""
+    rows: dict[int, list[Item]] = {}
+    for item in items:
+        rows.setdefault(depth[item], []).append(item)
     layers = [rows[k] for k in sorted(rows)]
     for _ in range(2):
         for sweep in (range(1, len(layers)), range(len(layers) - 2, -1, -1)):
             position = {n: i for row in layers for i, n in enumerate(row)}
             for r in sweep:
-                def centre(n: fx.Node) -> float:
-                    near = [position[m] for m in (list(n.all_input_nodes) + list(n.users)) if m in position and abs(depth[m] - depth[n]) >= 1]
+                def centre(n: Item) -> float:
+                    near = [position[m] for m in inputs[n] + users[n] if m in position and abs(depth[m] - depth[n]) >= 1]
                     return sum(near) / len(near) if near else position[n]
                 layers[r].sort(key=centre)
                 position.update({n: i for i, n in enumerate(layers[r])})
@@ -191,21 +244,54 @@ def _text(x: float, y: float, text: str, cls: str) -> str:
     return f'<text x="{x:.0f}" y="{y:.0f}" class="{cls}">{html.escape(shown)}</text>'
 
 
-def builtin_svg(converted: fx.GraphModule) -> str:
-    """An SVG of the converted graph laid out in layers by depth (no Graphviz needed)."""
-    nodes = list(converted.graph.nodes)
-    depth = _layers(nodes)
-    layers = _order(nodes, depth)
+def _size(layers: list[list[Item]]) -> tuple[float, float]:
+    """Width and height in pixels of the built-in picture of ``layers``."""
     widest = max(len(row) for row in layers)
     width = 2 * _MARGIN + widest * _BOX_W + (widest - 1) * _GAP_X
-    legend_h = 28
-    height = 2 * _MARGIN + legend_h + len(layers) * _BOX_H + (len(layers) - 1) * _GAP_Y
-    where: dict[fx.Node, tuple[float, float]] = {}
+    height = 2 * _MARGIN + _LEGEND_H + len(layers) * _BOX_H + (len(layers) - 1) * _GAP_Y
+    return width, height
+
+
+def _layout(items: list[Item]) -> tuple[list[list[Item]], dict[Item, list[Item]]]:
+    inputs, users = _edges(items)
+    return _order(items, _layers(items, inputs, users), inputs, users), inputs
+
+
+def _fits(items: list[Item], max_size: tuple[int, int]) -> bool:
+    width, height = _size(_layout(items)[0])
+    return width <= max_size[0] and height <= max_size[1]
+
+
+def _block_category(block: Block) -> str:
+    """A block's colour: the precision most of its computing nodes run in."""
+    counts = Counter(category(n) for n in block.nodes)
+    return max(("low", "fp32", "follow"), key=lambda kind: counts[kind]) if any(counts[k] for k in ("low", "fp32", "follow")) else "io"
+
+
+def _block_label(block: Block) -> list[str]:
+    counts = Counter(category(n) for n in block.nodes)
+    decided = ", ".join(f"{counts[k]} {k}" for k in ("low", "fp32") if counts[k])
+    size = block.cast_bytes()
+    casts = f"{counts['cast']} casts" + (f", {_bytes_text(size)}" if size else "") if counts["cast"] else "no casts"
+    return [block.title, f"{len(block.nodes)} nodes" + (f": {decided}" if decided else ""), casts]
+
+
+def _block_tooltip(block: Block) -> str:
+    counts = Counter(meta.DECISION.get(n, "none") for n in block.nodes)
+    return (f"{block.title}: {len(block.nodes)} nodes (" + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + ")\n"
+            + "modules: " + ", ".join(block.modules()))
+
+
+def _svg(items: list[Item], links: bool) -> str:
+    """The built-in SVG of ``items``; with ``links``, each block links to its section of the HTML page."""
+    layers, inputs = _layout(items)
+    width, height = _size(layers)
+    where: dict[Item, tuple[float, float]] = {}
     for r, row in enumerate(layers):
         row_w = len(row) * _BOX_W + (len(row) - 1) * _GAP_X
         x0 = (width - row_w) / 2
-        for i, node in enumerate(row):
-            where[node] = (x0 + i * (_BOX_W + _GAP_X), _MARGIN + legend_h + r * (_BOX_H + _GAP_Y))
+        for i, item in enumerate(row):
+            where[item] = (x0 + i * (_BOX_W + _GAP_X), _MARGIN + _LEGEND_H + r * (_BOX_H + _GAP_Y))
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" '
         'font-family="Helvetica, Arial, sans-serif">',
@@ -219,40 +305,86 @@ def builtin_svg(converted: fx.GraphModule) -> str:
         fill, stroke = COLOURS[kind]
         out.append(f'<rect x="{x}" y="{_MARGIN}" width="14" height="14" rx="3" fill="{fill}" stroke="{stroke}"/>'
                    f'<text x="{x + 19}" y="{_MARGIN + 11}" class="l">{text}</text>')
-    for node in nodes:
-        for source in node.all_input_nodes:
-            (sx, sy), (tx, ty) = where[source], where[node]
+    for item in items:
+        for source in inputs[item]:
+            (sx, sy), (tx, ty) = where[source], where[item]
             x1, y1, x2, y2 = sx + _BOX_W / 2, sy + _BOX_H, tx + _BOX_W / 2, ty
             mid = (y1 + y2) / 2
             out.append(f'<path class="e" d="M{x1:.0f},{y1:.0f} C{x1:.0f},{mid:.0f} {x2:.0f},{mid:.0f} {x2:.0f},{y2:.0f}" marker-end="url(#arrow)"/>')
-            label = _edge_label(node)
+            label = "" if isinstance(item, Block) else _edge_label(item)
             if label:
                 out.append(f'<text x="{x2 + 4:.0f}" y="{y2 - 4:.0f}" class="b">{label}</text>')
-    for node in nodes:
-        x, y = where[node]
-        fill = COLOURS[category(node)][0]
-        name, module, dtype = _label(node)
-        out.append(f'<g class="node {category(node)}" id="{html.escape(node.name)}"><title>{html.escape(_tooltip(node))}</title>'
-                   f'<rect x="{x:.0f}" y="{y:.0f}" width="{_BOX_W}" height="{_BOX_H}" rx="7" fill="{fill}" stroke="{_stroke(node)}" stroke-width="1.5"/>'
-                   + _text(x + 8, y + 17, name, "n") + _text(x + 8, y + 33, module, "m") + _text(x + 8, y + 49, dtype, "d") + "</g>")
+    for item in items:
+        x, y = where[item]
+        if isinstance(item, Block):
+            kind, (name, module, dtype), tip, ident = _block_category(item), _block_label(item), _block_tooltip(item), item.name
+            stroke = COLOURS["cast"][1] if any(category(n) == "cast" for n in item.nodes) else COLOURS[kind][1]
+            cls, width_px = f"block {kind}", 2.5
+        else:
+            kind, (name, module, dtype), tip, ident = category(item), _label(item), _tooltip(item), item.name
+            stroke, cls, width_px = _stroke(item), f"node {kind}", 1.5
+        box = (f'<g class="{cls}" id="{html.escape(ident)}"><title>{html.escape(tip)}</title>'
+               f'<rect x="{x:.0f}" y="{y:.0f}" width="{_BOX_W}" height="{_BOX_H}" rx="7" fill="{COLOURS[kind][0]}" stroke="{stroke}" stroke-width="{width_px}"/>'
+               + _text(x + 8, y + 17, name, "n") + _text(x + 8, y + 33, module, "m") + _text(x + 8, y + 49, dtype, "d") + "</g>")
+        out.append(f'<a href="#{ident}-nodes">{box}</a>' if links and isinstance(item, Block) else box)
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
 
-def _html(svg: str, title: str, summary: Optional[str]) -> str:
+def _items(converted: fx.GraphModule, group: Group, max_size: tuple[int, int]) -> list[Item]:
+    """What the picture draws: every node, or module blocks (``group``: "auto", "module", a depth, or None)."""
+    nodes = list(converted.graph.nodes)
+    if group is None or group is False or (group == "auto" and _fits(nodes, max_size)):
+        return nodes
+    depth = group if isinstance(group, int) and not isinstance(group, bool) else None
+    return group_blocks(converted.graph, lambda items: _fits(items, max_size), depth)
+
+
+def builtin_svg(converted: fx.GraphModule, group: Group = None, max_size: tuple[int, int] = MAX_SIZE) -> str:
+    """An SVG of the converted graph laid out in layers by depth (no Graphviz needed); ``group`` as :func:`draw`."""
+    return _svg(_items(converted, group, max_size), links=False)
+
+
+def _block_sections(items: list[Item]) -> str:
+    """One folded section per block, holding the picture of its nodes; a block's box in the overview opens it."""
+    sections = []
+    for item in items:
+        if isinstance(item, Block):
+            sections.append(f'<details id="{item.name}-nodes"><summary>{html.escape(" - ".join(_block_label(item)))}</summary>'
+                            f"{_svg(item.nodes, links=False)}</details>")
+    if not sections:
+        return ""
+    # Following a block's link opens its section (a details element does not open itself on a fragment).
+    script = ("<script>function openBlock(){var d=document.getElementById(location.hash.slice(1));"
+              "if(d&&d.tagName==='DETAILS'){d.open=true;d.scrollIntoView();}}"
+              "window.addEventListener('hashchange',openBlock);openBlock();</script>")
+    return "<h3>Blocks</h3>" + "".join(sections) + script
+
+
+def _html(svg: str, title: str, summary: Optional[str], sections: str = "") -> str:
     body = f"<pre>{html.escape(summary)}</pre>" if summary else ""
     return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            "<style>body{font-family:Helvetica,Arial,sans-serif;margin:1.5em}pre{background:#f6f6f6;padding:1em}</style>"
-            f"</head><body><h2>{html.escape(title)}</h2>{body}<div class=\"graph\">{svg}</div></body></html>\n")
+            "<style>body{font-family:Helvetica,Arial,sans-serif;margin:1.5em}pre{background:#f6f6f6;padding:1em}"
+            "details{margin:.4em 0}summary{cursor:pointer}</style>"
+            f"</head><body><h2>{html.escape(title)}</h2>{body}<div class=\"graph\">{svg}</div>{sections}</body></html>\n")
 
 
-def draw(converted: fx.GraphModule, path: str, *, engine: str = "auto", title: Optional[str] = None, summary: Any = None) -> str:
+def draw(converted: fx.GraphModule, path: str, *, engine: str = "auto", title: Optional[str] = None, summary: Any = None,
+         group: Group = "auto", max_size: tuple[int, int] = MAX_SIZE) -> str:
     """Write a picture of ``converted`` to ``path`` (.svg, .html or .dot) and return the path.
 
     ``engine``: ``"auto"`` uses Graphviz ``dot`` when it is on PATH and the
     built-in layout otherwise; ``"graphviz"`` requires ``dot``; ``"builtin"``
     never calls it.  ``summary`` (a :class:`amp_fx.inspection.summary.Summary` or
     text) is printed above the picture in HTML.
+
+    ``group``: ``"auto"`` (default) draws every node when the picture fits
+    ``max_size`` pixels (width, height; measured on the built-in layout) and
+    otherwise one box per module block, at the deepest module depth that fits
+    (a 12-layer GPT: one box per transformer block, its decisions and casts
+    summed); ``"module"`` always groups; an int groups at that module depth;
+    ``None`` never groups.  In ``.html`` each block's box opens a section with
+    the picture of its nodes.
     """
     if not isinstance(converted, fx.GraphModule):
         raise AmpTypeError(f"draw expects the converted GraphModule, got {type(converted).__name__}")
@@ -261,18 +393,25 @@ def draw(converted: fx.GraphModule, path: str, *, engine: str = "auto", title: O
         raise AmpValueError(f"draw writes .svg, .html or .dot files, not {extension or 'a path without extension'!r}")
     if engine not in ("auto", "graphviz", "builtin"):
         raise AmpValueError(f"engine must be 'auto', 'graphviz' or 'builtin', got {engine!r}")
+    if not (group in (None, "auto", "module") or (isinstance(group, int) and not isinstance(group, bool) and group >= 1)):
+        raise AmpValueError(f"group must be 'auto', 'module', a module depth >= 1 or None, got {group!r}")
+    if (not isinstance(max_size, tuple) or len(max_size) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in max_size)):
+        raise AmpValueError(f"max_size must be (width, height) in pixels, positive ints, got {max_size!r}")
+    items = _items(converted, group, max_size)
     if extension in (".dot", ".gv"):
-        content = dot_source(converted)
+        content = dot_source(converted, group, max_size)
     else:
         dot = shutil.which("dot") if engine != "builtin" else None
         if engine == "graphviz" and dot is None:
             raise AmpRuntimeError("engine='graphviz' but Graphviz 'dot' is not on PATH; use engine='auto' for the built-in layout")
-        svg = _graphviz_svg(dot_source(converted), dot) if dot else builtin_svg(converted)
+        links = extension != ".svg"
+        svg = _graphviz_svg(dot_source(converted, group, max_size), dot) if dot else _svg(items, links=links)
         if extension == ".svg":
             content = svg
         else:
             name = title or f"{type(converted).__name__}: amp_fx conversion"
-            content = _html(svg, name, None if summary is None else str(summary))
+            content = _html(svg, name, None if summary is None else str(summary), _block_sections(items))
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
