@@ -32,10 +32,11 @@ test_fuse_precision.py``): output within 1 low-dtype ulp, and input, weight
 and bias gradients as precise as the cast form's against fp64.  Affine
 ``group_norm`` and ``instance_norm`` run CPU's mixed-dtype kernel as it is.
 ``layer_norm`` (bf16 only) is *retargeted* to :func:`amp_fx.graph_ops.fused_norms.
-layer_norm_fp32_stats`: CPU's mixed-dtype forward, but the cast form's fp32
-backward on the saved low input, since CPU's own mixed-dtype backward
-accumulates the weight and bias gradients in the low dtype (~1-2% relative
-error on 256x1024 bf16, against 1e-7 for the cast form).  Only the
+layer_norm_fp32_stats`: CPU's mixed-dtype forward and input gradient, but
+the weight and bias gradients from the fp32 kernel on the saved low input,
+since CPU's own mixed-dtype backward accumulates them in the low dtype
+(~1-2% relative error on 256x1024 bf16, against 1e-7 for the cast form).
+It runs under torch.func (``grad``, ``vmap``; see that module).  Only the
 ``F.layer_norm`` / ``torch.layer_norm`` call forms are retargeted (symbolic
 tracing and Dynamo both give them); a leaf ``nn.LayerNorm`` module and
 torch.export's aten ``layer_norm`` / ``native_layer_norm`` keep the cast

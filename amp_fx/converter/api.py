@@ -29,6 +29,7 @@ from amp_fx.ir.op_keys import CAST_OPS, canonical_op
 from amp_fx.converter.live_hooks import RECIPE_ATTR, ConversionRecipe
 from amp_fx.ir.pass_manager import PassContext
 from amp_fx.converter.pipeline import rewrite_graph
+from amp_fx.converter.specialisations import attach_specialisations
 from amp_fx.ir.policy import Policy
 from amp_fx.frontend.module_hooks import CALLED_ATTR
 from amp_fx.frontend.tracing import _TRACE_LOCK, trace_model
@@ -266,13 +267,16 @@ def convert(
     notes = _tensor_notes(model)
     notes.extend(getattr(gm, "amp_fx_trace_notes", ()))  # what the export route fixed or kept dynamic
     if route == "torch.export":
-        notes.append("traced with torch.export: the module's train/eval mode at conversion is part of the graph")
+        notes.append("traced with torch.export in the model's train/eval mode; .train()/.eval() switch to a graph "
+                     "specialised to the other mode, built at its first call, on the same weights")
     gm, report = rewrite_graph(gm, ctx, own_params=owns_params, notes=notes)
 
     result = gm
-    if route != "symbolic_trace":  # a traced module already has each module's own flag (AmpGraphModule)
+    if route != "symbolic_trace":  # each module's flag as traced; one the graph holds no state of follows the root
         with switching_modes():  # the mode it was traced in: no frozen-mode warning
-            result.train(model.training)
+            flags = {path: m.training for path, m in model.named_modules()}
+            for path, module in result.named_modules():
+                module.training = flags.get(path, model.training)
     result.amp_report = report
     result.amp_config = config
     setattr(result, ROUTE_ATTR, route)
@@ -287,4 +291,6 @@ def convert(
         attach_masters(result, dict(model.named_parameters(remove_duplicate=False)))
     if owns_params:
         attach_buffer_sources(result, model)
+    # torch.export route: graphs for the other train/eval mode and for omitted keyword inputs (core/specialisations.py)
+    attach_specialisations(result, model, route, example_kwarg_inputs)
     return result

@@ -14,9 +14,12 @@ It is an ordinary ``torch.fx.GraphModule`` with three additions:
   copy holding the same parameter and buffer tensors, so ``.train()`` /
   ``.eval()`` on it never flip the original model's flags.  Each module keeps
   the flag the original had.
-- Where the graph was specialised to one train/eval mode (a branch on
-  ``self.training``, or the torch.export route), ``.train()`` / ``.eval()``
-  that change that mode warn once.
+- On the torch.export route, whose graphs fix every module's train/eval
+  flag and the keyword inputs given, each call runs the graph for the
+  current flags and the keywords it gives, built at first use on this
+  module's own parameters and buffers (:mod:`amp_fx.converter.specialisations`).
+  Where a symbolic-route graph keeps a branch on ``self.training``,
+  ``.train()`` / ``.eval()`` that change that mode warn once.
 - A grad-mode region left open by an exception in ``forward`` does not leak
   into the caller: the grad mode is restored.
 """
@@ -41,6 +44,8 @@ from amp_fx.graph_ops.outer_autocast import call_without_outer_autocast
 from amp_fx.graph_ops.hook_dispatch import COMPUTATION_HOOKS
 from amp_fx.frontend.module_hooks import ORIGINALS_ATTR, bind_sites
 from amp_fx.converter.step_guard import guard_low_parameters
+from amp_fx.converter.functional_params import restore_swapped, swap_in_low_copies
+from amp_fx.converter.specialisations import SPECS_ATTR
 from amp_fx.frontend.train_flags import FROZEN_ATTR
 from amp_fx.graph_ops.mode_switch import amp_fx_is_switching, switching_modes
 from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError
@@ -50,7 +55,7 @@ __all__ = ["AmpGraphModule", "AMP_ATTRIBUTES", "FrozenTrainingWarning", "switchi
 # Attributes that describe a conversion; carried through deepcopy and pickle.
 ROUTE_ATTR = "amp_fx_route"  # how the model was traced: "symbolic_trace" or "torch.export"
 AMP_ATTRIBUTES = ("amp_report", "amp_config", "amp_fx_masters", "amp_fx_source_dtypes", "amp_fx_input_dtypes", ROUTE_ATTR, FROZEN_ATTR,
-                  SOURCES_ATTR, RECIPE_ATTR)
+                  SOURCES_ATTR, RECIPE_ATTR, SPECS_ATTR)
 
 
 class FrozenTrainingWarning(UserWarning):
@@ -246,12 +251,34 @@ def _load_masters(module: nn.Module, state_dict: Any) -> None:
                 master.copy_(value)
 
 
+def _load_sources(module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any, *_: Any) -> None:
+    """load_state_dict pre-hook: the fp32 masters (O2) and the model's buffers (O2/O3) take the loaded values.
+
+    It runs for this module's own ``load_state_dict`` and for any parent's, with
+    the keys under ``prefix``.  Without it the next ``MasterWeightOptimizer`` step
+    would copy the old masters back over the weights just loaded, and the model
+    would keep its old statistics.
+    """
+    if local_metadata.get("assign_to_params_buffers") and module.__dict__.get("amp_fx_source_dtypes"):
+        raise AmpValueError(
+            "load_state_dict(assign=True) would replace this module's low-precision copies (O2/O3) by the "
+            "checkpoint's tensors, which are in the model's dtypes, so the graph would run on them unconverted. "
+            "Load without assign=True: the values are copied into the low copies, the fp32 masters and the "
+            "model's buffers.")
+    own = {key[len(prefix):]: value for key, value in state_dict.items() if key.startswith(prefix)}
+    _load_masters(module, own)
+    load_buffer_sources(module, own)
+
+
 class AmpGraphModule(fx.GraphModule):
     """A converted model: a GraphModule with explicit casts (see module docstring)."""
 
     def __init__(self, root: Any, graph: fx.Graph, class_name: str = "AmpGraphModule"):
         super().__init__(root, graph, class_name)
         self._register_state_dict_hook(_restore_source_dtypes)
+        # A hook, not only the method below: a parent's load_state_dict (Lightning, Accelerate, a wrapper module)
+        # reaches this module through the hook alone, and must load the masters and the model's buffers too.
+        self._register_load_state_dict_pre_hook(_load_sources, with_module=True)
         if isinstance(root, nn.Module):
             _own_modules(self, root)
             self.training = root.training
@@ -263,10 +290,16 @@ class AmpGraphModule(fx.GraphModule):
         expected = self.__dict__.get("amp_fx_input_dtypes")
         if expected:
             _check_input_dtypes(expected, args, kwargs)
+        specs = self.__dict__.get(SPECS_ATTR)
+        if specs is not None:  # torch.export route: the graph for this mode and these keyword inputs (core/specialisations.py)
+            kwargs = specs.select(self, args, kwargs)
         hooks = self.__dict__.get(STATE_ATTR)
         if hooks is None or hooks.stale(self):  # a hook registered somewhere since the last call (core/live_hooks.py)
             hooks = check_hooks(self)
+            if specs is not None and specs.graph is not self.__dict__.get("_graph"):  # rebuilt for a hook: pick again
+                kwargs = specs.select(self, args, kwargs)
         sync_masters(self)  # O2: masters written in place since the last call (core/master_sync.py)
+        swapped = swap_in_low_copies(self)  # O2/O3 under functional_call with fp32 tensors (core/functional_params.py)
         grad = torch.is_grad_enabled()
         try:
             # The graph already casts explicitly: an outer autocast would cast again.
@@ -276,30 +309,24 @@ class AmpGraphModule(fx.GraphModule):
         except BaseException:
             torch._C._set_grad_enabled(grad)  # a no_grad region the error left open must not leak
             raise
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Load as any module does; at O2 the fp32 masters take the loaded values too, at O2/O3 the model's buffers.
-
-        Without that, the next ``MasterWeightOptimizer`` step would copy the
-        old masters back over the weights just loaded, and the model would
-        keep its old statistics.  ``assign=True`` is refused at O2/O3.
-        """
-        if assign and self.__dict__.get("amp_fx_source_dtypes"):
-            raise AmpValueError(
-                "load_state_dict(assign=True) would replace this module's low-precision copies (O2/O3) by the "
-                "checkpoint's tensors, which are in the model's dtypes, so the graph would run on them unconverted. "
-                "Load without assign=True: the values are copied into the low copies, the fp32 masters and the "
-                "model's buffers.")
-        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        _load_masters(self, state_dict)
-        load_buffer_sources(self, state_dict)  # O2/O3: the model's buffers are loaded too
-        return result
+        finally:
+            if swapped:
+                restore_swapped(swapped)
 
     def train(self, mode: bool = True) -> "AmpGraphModule":
-        """Set train/eval mode on this module and its own submodules; warn once if the graph was specialised."""
+        """Set train/eval mode on this module and its own submodules.
+
+        On the torch.export route the next call runs the graph specialised
+        to the new mode, built at its first use
+        (:mod:`amp_fx.converter.specialisations`).  Where the graph keeps a
+        symbolic-route branch on ``self.training``, warn once.
+        """
         result = super().train(mode)
         frozen = self.__dict__.get(FROZEN_ATTR)
-        if frozen and not self.__dict__.get("_amp_fx_warned_frozen") and not amp_fx_is_switching():
+        recipe = self.__dict__.get(RECIPE_ATTR)
+        specs = self.__dict__.get(SPECS_ATTR)  # torch.export route: the graph for the new mode is built, no warning
+        switches = specs is not None and specs.exported and recipe is not None and recipe.model is not None
+        if frozen and not switches and not self.__dict__.get("_amp_fx_warned_frozen") and not amp_fx_is_switching():
             changed = [(path, value, where) for path, (value, where) in frozen.items() if self._flag_at(path) != value]
             if changed:
                 self._amp_fx_warned_frozen = True

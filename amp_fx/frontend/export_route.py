@@ -107,22 +107,33 @@ def default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: Mapping[str, t
     return shapes
 
 
-def _bound(model: nn.Module, constants: Mapping[str, Any]) -> nn.Module:
-    """A shallow copy of ``model`` whose forward supplies ``constants`` itself.
+def _bound(model: nn.Module, constants: Mapping[str, Any], tensors: Mapping[str, Any] = ()) -> nn.Module:
+    """A shallow copy of ``model`` whose forward supplies ``constants`` itself and names every keyword input.
 
     The copy shares the model's submodules, parameters and buffers (the same
     dicts), so export names every weight exactly as the model does; the
-    model itself is not touched.
+    model itself is not touched.  A keyword input that forward takes through
+    ``**kwargs`` (peft's ``PeftModel.forward(*args, **kwargs)``) becomes a
+    keyword-only parameter of the copy's signature: torch.export matches
+    ``dynamic_shapes`` against forward's named parameters, and cannot match
+    them inside ``**kwargs``.
     """
-    if not constants:
-        return model
     forward = model.forward
     try:
-        signature = inspect.signature(forward)
-        kept = [p for name, p in signature.parameters.items() if name not in constants]
-        signature = signature.replace(parameters=kept)
+        signature: Optional[inspect.Signature] = inspect.signature(forward)
     except (TypeError, ValueError):
         signature = None
+    extra: list[str] = []
+    if signature is not None:
+        params = signature.parameters
+        var_kw = [p for p in params.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+        extra = [name for name in tensors if name not in params] if var_kw else []
+        kept = [p for name, p in params.items() if name not in constants and p.kind is not inspect.Parameter.VAR_KEYWORD]
+        kept += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY) for name in extra]
+        kept += [p for p in var_kw if not extra]  # the named ones replace **kwargs: export sees no other inputs
+        signature = signature.replace(parameters=kept)
+    if not constants and not extra:
+        return model
 
     def forward_with_constants(*args: Any, **kwargs: Any) -> Any:
         return forward(*args, **kwargs, **constants)
@@ -146,7 +157,7 @@ def export_module(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
     # a sliced example (ids[:2, :7]) would make export specialise on its strides and fail on views
     args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
     tensors = {k: v.contiguous() for k, v in tensors.items()}
-    bound = _bound(model, constants)
+    bound = _bound(model, constants, tensors)
     if dynamic_shapes is None:
         shapes = default_dynamic_shapes(bound, args, tensors)
     elif dynamic_shapes is False:

@@ -12,11 +12,13 @@ MultiheadAttention), plus any the user names.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import linecache
 import threading
 import traceback
 import weakref
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -31,7 +33,7 @@ from amp_fx.frontend.source_lines import innermost_user_frame, is_library_file
 from amp_fx.frontend.train_flags import FROZEN_ATTR, TrainingReads
 
 __all__ = ["AmpTracer", "AmpTraceError", "trace_model", "DEFAULT_LEAF_TYPES", "module_stack_of", "user_frame",
-           "export_hook_advice", "FX_FAILED_IN_ATTR"]
+           "export_hook_advice", "FX_FAILED_IN_ATTR", "omitting_keywords"]
 # On a module traced by torch.export: the module fx failed in ("" the model's own forward), for later advice.
 FX_FAILED_IN_ATTR = "amp_fx_fx_failed_in"
 
@@ -202,8 +204,29 @@ def _clean_path(path: str) -> str:
     return path.replace("[", ".").replace("]", "").replace("'", "")
 
 
+# Keyword inputs traced as their default None (fx's concrete_args) rather than as graph inputs:
+# set by amp_fx/converter/specialisations.py for a call that leaves them out.
+_OMITTED: contextvars.ContextVar[frozenset] = contextvars.ContextVar("amp_fx_omitted_keywords", default=frozenset())
+
+
+@contextlib.contextmanager
+def omitting_keywords(names: Iterable[str]) -> Iterator[None]:
+    """Trace ``forward`` with the keyword inputs ``names`` fixed to None (their default) on the symbolic route.
+
+    fx traces every parameter as a Proxy, and ``labels is None`` is False
+    for a Proxy: without this, a forward that returns a loss only when
+    given labels is traced with its loss branch only.
+    """
+    token = _OMITTED.set(frozenset(names))
+    try:
+        yield
+    finally:
+        _OMITTED.reset(token)
+
+
 def _symbolic_trace(model: nn.Module, tracer: AmpTracer, module_class: type) -> fx.GraphModule:
-    graph = tracer.trace(model)
+    omitted = _OMITTED.get()
+    graph = tracer.trace(model, {name: None for name in sorted(omitted)} if omitted else None)
     # where the converted module's clones find the original hooks (amp_fx/converter/graph_module.py _own_modules)
     setattr(graph, module_hooks.ORIGINALS_ATTR, {path: weakref.ref(m) for path, m in (tracer._hook_originals or {}).items()})
     setattr(graph, module_hooks.CALLED_ATTR, frozenset(tracer._called_paths))

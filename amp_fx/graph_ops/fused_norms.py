@@ -3,12 +3,31 @@
 :func:`layer_norm_fp32_stats` is an affine ``layer_norm`` for a low-precision
 input with fp32 weight and bias.  Its forward is CPU's mixed-dtype kernel
 (statistics and affine transform in fp32, one rounding to the input's dtype:
-what the cast form's cast back gives).  Its backward is the cast form's own
-math -- ``native_layer_norm_backward`` on the fp32 upcast of the saved low
-input -- because CPU's mixed-dtype backward accumulates the weight and bias
-gradients in the low dtype (~1% relative error on 256x1024 bf16, against
-~1e-7 for the cast form).  Saved for backward: the low input, not an fp32
-copy of it (half the memory of the cast form).
+what the cast form's cast back gives).  Saved for backward: the low input,
+not an fp32 copy of it (half the memory of the cast form).
+
+Backward, two kernels, each the one that is precise for its part:
+
+- the input gradient from CPU's mixed-dtype ``native_layer_norm_backward``
+  (low ``grad`` and input, fp32 statistics and weight): computed in fp32 and
+  rounded once to the input's dtype, as the cast form's cast back rounds it
+  (equal to it but for fp32 summation order: a 1-ulp difference in ~3e-5 of
+  the elements on 256x1024 bf16), with no cast at all;
+- the weight and bias gradients from the fp32 kernel on the fp32 values of
+  the low input and gradient (two casts): CPU's mixed kernel accumulates
+  them in the low dtype (~2% relative error on 256x1024 bf16, against 1e-7
+  for the cast form).  The one precise kernel that reads low tensors and
+  accumulates them in fp32, ``native_group_norm_backward`` (one group, one
+  element per channel), made a bf16 MLP step 8% slower than these two
+  casts, so they stay.
+
+torch.func: the Function has a ``setup_context`` and a ``vmap`` rule, so
+``grad``, ``vjp``, ``vmap`` (per-sample gradients) and their compositions
+run it.  Under ``vmap`` with an unbatched weight and bias the batch folds
+into the rows (layer_norm normalises the trailing dims only) and this same
+Function runs; with batched weights (model ensembles) it runs the cast form.
+Forward-mode AD (``jvp``, ``jacfwd``) raises an ``AmpNotImplementedError``
+that names the fix: convert with ``fuse_precision=False``.
 
 ``passes/fuse_precision`` retargets fused affine ``layer_norm`` nodes to it;
 generated code imports it from here (a registered fx builtin).
@@ -22,6 +41,7 @@ import torch
 from torch.fx import Proxy
 from torch.fx.graph import _register_custom_builtin
 
+from amp_fx.errors import AmpNotImplementedError
 from amp_fx.graph_ops.casts import _record
 
 __all__ = ["layer_norm_fp32_stats", "LayerNormFp32Stats"]
@@ -32,37 +52,104 @@ def _fp32(stat: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._to_copy.default(stat, dtype=torch.float32)
 
 
+def _affine(x: torch.Tensor, normalized_shape: tuple, weight: Optional[torch.Tensor],
+            bias: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The fp32 weight and bias that select CPU's mixed-dtype kernel: an identity affine where there is none.
+
+    Without fp32 weights CPU runs its all-low kernel, whose statistics come back
+    rounded to the low dtype (the backward then reads a rounded rstd: 1.15x the
+    cast form's input-gradient error), and whose input gradient is computed low.
+    """
+    if weight is None and bias is None and x.dtype in (torch.bfloat16, torch.float16):
+        ones = torch.ones(normalized_shape, dtype=torch.float32, device=x.device)
+        return ones, torch.zeros_like(ones)
+    return weight, bias
+
+
+def _wrapped(t: torch.Tensor) -> bool:
+    """True for a tensor a torch.func transform wraps (batched, or tracked by an inner ``grad``)."""
+    return torch._C._functorch.maybe_get_level(t) != -1
+
+
 class LayerNormFp32Stats(torch.autograd.Function):
-    """Affine layer_norm of a low input with fp32 weight/bias: mixed-dtype forward, fp32 (cast form) backward."""
+    """Affine layer_norm of a low input with fp32 weight/bias: mixed-dtype forward, fp32-precise backward.
+
+    Outputs ``(out, mean, rstd)``; the statistics are fp32 and not differentiable
+    (:func:`layer_norm_fp32_stats` returns ``out``).
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor],
-                bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-        if weight is None and bias is None and x.dtype in (torch.bfloat16, torch.float16):
-            # Without fp32 weights CPU runs its all-low kernel, whose statistics come back rounded to the low
-            # dtype (the backward then reads a rounded rstd: 1.15x the cast form's input-gradient error).
-            # An identity affine in fp32 selects the mixed kernel: the same output, fp32 statistics.
-            ones = torch.ones(normalized_shape, dtype=torch.float32, device=x.device)
-            out, mean, rstd = torch.native_layer_norm(x, normalized_shape, ones, torch.zeros_like(ones), eps)
-        else:
-            out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+    def forward(x: torch.Tensor, normalized_shape: tuple, weight: Optional[torch.Tensor],
+                bias: Optional[torch.Tensor], eps: float) -> tuple:
+        w, b = _affine(x, normalized_shape, weight, bias)
+        out, mean, rstd = torch.native_layer_norm(x, normalized_shape, w, b, eps)
         # The CPU kernel returns fp32 statistics; the meta kernel says the input's dtype.  The copy makes traced
         # graphs (fake runs, AOT, export) agree with the real kernel; it costs one (rows,)-sized copy each.
-        ctx.save_for_backward(x, _fp32(mean), _fp32(rstd), weight, bias)
-        ctx.normalized_shape = tuple(normalized_shape)
-        return out
+        return out, _fp32(mean), _fp32(rstd)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        x, normalized_shape, weight, bias, _ = inputs
+        _, mean, rstd = output
+        ctx.save_for_backward(x, mean, rstd, weight, bias)
+        ctx.normalized_shape = tuple(normalized_shape)
+        ctx.mark_non_differentiable(mean, rstd)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _grad_mean: Any = None, _grad_rstd: Any = None) -> tuple:
         x, mean, rstd, weight, bias = ctx.saved_tensors
         needs_x, _, needs_w, needs_b, _ = ctx.needs_input_grad
-        mask = [needs_x, needs_w and weight is not None, needs_b and bias is not None]
-        if not any(mask):
-            return None, None, None, None, None
-        # Exactly the cast form: an fp32 layer_norm backward on the fp32 values of the low input and gradient.
-        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            grad.float(), x.float(), ctx.normalized_shape, mean, rstd, weight, bias, mask)
-        return (dx.to(x.dtype) if dx is not None else None), None, dw, db, None
+        needs_w = needs_w and weight is not None
+        needs_b = needs_b and bias is not None
+        shape = ctx.normalized_shape
+        dx = dw = db = None
+        if _wrapped(grad) or _wrapped(x):
+            # Under a torch.func transform (vmap's batch rule splits the mixed kernel into ops of mixed dtypes that
+            # do not run): the cast form's fp32 backward, one kernel for all three.
+            dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+                grad.float(), x.float(), shape, mean, rstd, weight, bias, [needs_x, needs_w, needs_b])
+            return (dx.to(x.dtype) if dx is not None else None), None, dw, db, None
+        if needs_x:
+            # Mixed kernel: fp32 math from the low input and gradient, one rounding to x's dtype, no casts.
+            w, b = _affine(x, shape, weight, bias)
+            dx = torch.ops.aten.native_layer_norm_backward(grad, x, shape, mean, rstd, w, b, [True, False, False])[0]
+        if needs_w or needs_b:
+            # fp32 kernel on the fp32 values: the weight and bias gradients accumulate in fp32 (see module docstring).
+            _, dw, db = torch.ops.aten.native_layer_norm_backward(
+                grad.float(), x.float(), shape, mean, rstd, weight, bias, [False, needs_w, needs_b])
+        return dx, None, dw, db, None
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        raise AmpNotImplementedError(
+            "forward-mode AD (torch.func.jvp, jacfwd, hessian) does not run amp_fx's fused layer_norm "
+            "(layer_norm_fp32_stats, written by the fuse_precision pass): convert with fuse_precision=False, "
+            "whose cast form forward-mode AD runs, or use reverse mode (grad, vjp, jacrev).")
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, normalized_shape: tuple, weight: Optional[torch.Tensor],
+             bias: Optional[torch.Tensor], eps: float) -> tuple:
+        x_dim, _, w_dim, b_dim, _ = in_dims
+        if w_dim is None and b_dim is None:
+            # One weight for the whole batch: the batch is more rows of the same layer_norm.
+            moved = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
+            return LayerNormFp32Stats.apply(moved, normalized_shape, weight, bias, eps), (0, 0, 0)
+        # A weight per sample (an ensemble): the cast form, whose ops torch.func batches itself.
+        batch = info.batch_size
+
+        def per_sample(t: Optional[torch.Tensor], dim: Optional[int]) -> Optional[torch.Tensor]:
+            if t is None:
+                return None
+            return t.movedim(dim, 0) if dim is not None else t.expand(batch, *t.shape)
+
+        xs, ws, bs = per_sample(x, x_dim), per_sample(weight, w_dim), per_sample(bias, b_dim)
+        out, mean, rstd = torch.native_layer_norm(xs.float(), normalized_shape, None, None, eps)
+        lead = (slice(None),) + (None,) * (xs.dim() - 1 - len(normalized_shape))  # (batch, 1.., *normalized_shape)
+        if ws is not None:
+            out = out * ws[lead]
+        if bs is not None:
+            out = out + bs[lead]
+        return (out.to(x.dtype), mean, rstd), (0, 0, 0)
 
 
 def layer_norm_fp32_stats(input: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor] = None,
@@ -76,7 +163,7 @@ def layer_norm_fp32_stats(input: torch.Tensor, normalized_shape: Sequence[int], 
         return _record(layer_norm_fp32_stats, (input, normalized_shape, weight, bias, eps), {})
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
-    return LayerNormFp32Stats.apply(input, tuple(normalized_shape), weight, bias, eps)
+    return LayerNormFp32Stats.apply(input, tuple(normalized_shape), weight, bias, eps)[0]
 
 
 # Generated code (print, to_folder, pickles) names it as a builtin imported from this module.

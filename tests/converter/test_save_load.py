@@ -229,6 +229,33 @@ def test_o2_load_state_dict_reaches_the_masters_so_the_next_step_keeps_it():
     assert (gm.get_parameter("0.weight").float() - checkpoint["0.weight"]).abs().max().item() < 1e-2
 
 
+def test_o2_a_parent_modules_load_state_dict_reaches_the_masters_and_buffers():
+    """A converted O2 module inside a parent (Lightning's LightningModule, a wrapper): the parent's load_state_dict
+    loads its masters and the model's buffers too, so the next step starts from the checkpoint."""
+    def net():
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+
+    torch.manual_seed(0)
+    model = net()
+    parent = nn.ModuleDict({"net": amp_fx.convert(model, "O2", dtype=torch.bfloat16), "head": nn.Linear(2, 2)})
+    opt = amp_fx.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), parent["net"])
+    torch.manual_seed(1)
+    source = net()
+    source[1].running_mean.uniform_(-1, 1)
+    checkpoint = {f"net.{k}": v for k, v in source.state_dict().items()} | {f"head.{k}": v for k, v in parent["head"].state_dict().items()}
+    parent.load_state_dict(checkpoint)
+    assert torch.equal(model[0].weight, source[0].weight)  # the master, exactly
+    assert torch.equal(model[1].running_mean, source[1].running_mean)  # the model's own buffer
+    assert torch.equal(parent["net"].get_parameter("0.weight"), source[0].weight.to(torch.bfloat16))
+    x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(parent["net"](x).float(), y).backward()
+    opt.step()
+    assert 0 < (model[0].weight - source[0].weight).abs().max().item() < 1e-2  # one step from the load
+    with pytest.raises(amp_fx.AmpValueError, match="assign=True"):
+        parent.load_state_dict(checkpoint, assign=True)
+
+
 def test_o2_state_dict_holds_the_exact_masters_after_master_weight_steps():
     """After MasterWeightOptimizer steps, gm.state_dict() is the fp32 masters bit for bit, not the low copies widened."""
     torch.manual_seed(0)

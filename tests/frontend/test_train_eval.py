@@ -138,13 +138,19 @@ def test_a_branch_on_training_is_reported_and_warns_once():
         gm.train()  # once is enough
 
 
-def test_export_route_freezes_the_mode_and_warns():
-    """torch.export specialises every train/eval branch: the report says so and .train() warns."""
+def test_export_route_switches_graphs_without_warning():
+    """torch.export specialises every train/eval branch: .train() switches to a graph for train mode (no warning).
+
+    (tests/frontend/test_one_conversion_modes.py tests the switch in depth.)
+    """
     model, x = Net().eval(), torch.randn(16, D)
     conv = convert(model, "export", x)
-    assert "train/eval mode at conversion is part of the graph" in str(conv.report())
-    with pytest.warns(FrozenTrainingWarning, match="torch.export"):
+    assert "switch to a graph specialised to the other mode" in str(conv.report())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         conv.fn.train()
+    (_, first), (_, second) = conv.fn(x), conv.fn(x)
+    assert _dropped(first) and not torch.equal(first, second)
 
 
 def test_no_warning_when_nothing_is_frozen():
