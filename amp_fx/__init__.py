@@ -49,7 +49,7 @@ _LAZY = {
 
 # Subpackages reachable after ``import amp_fx`` alone, as the README spells them
 # (``amp_fx.runtime.convert_for_sharding``): each is imported on first access.
-_SUBPACKAGES = frozenset({"apex", "converter", "dynamo", "frontend", "graph_ops", "inspection", "ir", "passes", "runtime"})
+_SUBPACKAGES = frozenset({"apex", "converter", "dynamo", "frontend", "graph_ops", "inspection", "integrations", "ir", "passes", "runtime"})
 
 
 def __getattr__(name: str):

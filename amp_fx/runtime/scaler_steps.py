@@ -27,6 +27,22 @@ from amp_fx.errors import AmpRuntimeError
 __all__ = ["ScalerStepsMixin"]
 
 
+
+def master_wrapper(optimizer: Any) -> Any:
+    """The optimizer that keeps fp32 masters (``_sync_grads_to_masters``), looking through wrappers' ``.optimizer``.
+
+    A framework may wrap a :class:`~amp_fx.runtime.MasterWeightOptimizer` again (Accelerate's
+    ``AcceleratedOptimizer``): the scaler must still copy and check the masters' gradients, not the
+    low ones the wrapper's ``param_groups`` would show it.  Returns ``optimizer`` when none is found.
+    """
+    found, seen = optimizer, set()
+    while found is not None and id(found) not in seen:
+        if callable(getattr(found, "_sync_grads_to_masters", None)):
+            return found
+        seen.add(id(found))
+        found = getattr(found, "optimizer", None)
+    return optimizer
+
 class _Stage(Enum):
     READY = 0
     UNSCALED = 1
@@ -77,18 +93,23 @@ class ScalerStepsMixin:
                     "scaler.update() to end the iteration first."
                 )
             self._require_scaled("unscale_")
-        sync = getattr(optimizer, "_sync_grads_to_masters", None)
-        if callable(sync):
-            sync()
         # Reciprocal in double then fp32, as GradScaler: the same bits for any scale
         # (a scale decayed to 0 without a floor gives inf, as GradScaler's does).
         inv_scale = 1.0
         if self._scaling:
             inv_scale = _fp32(1.0 / self._loss_scale) if self._loss_scale else math.inf
-        grads = grads_of(optimizer.param_groups)
-        found = check_and_unscale_(grads, inv_scale)
-        if dist.is_available() and dist.is_initialized():  # only sharded (DTensor) grads need other ranks
-            found = reduce_over_ranks(found, grads)  # FSDP2: every rank agrees
+        # A MasterWeightOptimizer copies its gradients into the masters' and checks each while it is in cache.
+        masters = master_wrapper(optimizer)
+        fused = getattr(masters, "_sync_check_and_unscale_", None)
+        found = fused(inv_scale) if callable(fused) else None
+        if found is None:
+            sync = getattr(masters, "_sync_grads_to_masters", None)
+            if callable(sync):
+                sync()
+            grads = grads_of(optimizer.param_groups)
+            found = check_and_unscale_(grads, inv_scale)
+            if dist.is_available() and dist.is_initialized():  # only sharded (DTensor) grads need other ranks
+                found = reduce_over_ranks(found, grads)  # FSDP2: every rank agrees
         if not self._scaling and state["stage"] is _Stage.UNSCALED:
             for dev, flag in state["found_inf"].items():  # a re-check keeps earlier verdicts
                 found[dev] = found[dev] + flag if dev in found else flag
@@ -172,7 +193,7 @@ class ScalerStepsMixin:
         if found:
             self.skipped_steps += 1
             self._unreported_skips += 1
-            discard = getattr(optimizer, "_discard_synced_grads", None)
+            discard = getattr(master_wrapper(optimizer), "_discard_synced_grads", None)
             if callable(discard):
                 discard()
         self._record_step(optimizer, not found)

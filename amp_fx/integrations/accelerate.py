@@ -1,0 +1,79 @@
+"""Accelerate with amp_fx: convert, then ``accelerator.prepare``, with the loss scaler in ``save_state``.
+
+``Accelerator(mixed_precision="bf16")`` runs the model under ``torch.autocast``;
+with amp_fx the Accelerator stays at ``mixed_precision="no"`` (the graph holds
+the casts) and :func:`prepare` does the rest in the order that works::
+
+    accelerator = Accelerator()                        # mixed_precision="no": amp_fx casts
+    model, opt, scaler, loader = amp_fx.integrations.accelerate.prepare(accelerator, model, opt, loader, level="O2")
+    for x, y in loader:
+        opt.zero_grad()
+        accelerator.backward(scaler.scale(loss_fn(model(x), y)))
+        scaler.step(opt)
+        scaler.update()
+
+* the model is converted first (:func:`amp_fx.convert`), so Accelerate places
+  and wraps the converted module;
+* at O2 the optimizer becomes a :class:`amp_fx.MasterWeightOptimizer` before
+  Accelerate wraps it (fp32 masters: the model's own parameters);
+* the :class:`amp_fx.LossScaler` is registered with
+  ``accelerator.register_for_checkpointing``, so ``save_state`` /
+  ``load_state`` restore its scale with the weights, masters and optimizer state.
+
+Accelerate is imported here only, never by ``import amp_fx``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+import accelerate
+
+from amp_fx.converter.api import convert
+from amp_fx.errors import AmpTypeError, AmpValueError
+from amp_fx.runtime import LossScaler, MasterWeightOptimizer
+
+__all__ = ["prepare"]
+
+
+
+def prepare(accelerator: "accelerate.Accelerator", model: nn.Module, optimizer: torch.optim.Optimizer, *others: Any,
+            level: str = "O1", dtype: Union[None, str, torch.dtype] = None, scaler: Optional[LossScaler] = None,
+            **convert_options: Any) -> tuple:
+    """Convert ``model``, give the optimizer fp32 masters (O2), ``accelerator.prepare`` all, register the scaler.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` built with ``mixed_precision="no"`` (amp_fx does the casting).
+        model, optimizer: the fp32 model and an optimizer over its parameters.
+        *others: anything else to pass through ``accelerator.prepare`` (data loaders, schedulers).
+        level, dtype, **convert_options: as :func:`amp_fx.convert` (dtype None: fp16 on CUDA, bf16 otherwise,
+            read from ``accelerator.device``).
+        scaler: a :class:`amp_fx.LossScaler`; default ``LossScaler(dtype=dtype, level=level)``.
+
+    Returns ``(model, optimizer, scaler, *others)``, the first two as Accelerate prepared them.
+    """
+    if not isinstance(accelerator, accelerate.Accelerator):
+        raise AmpTypeError(f"prepare() takes an accelerate.Accelerator first, got {type(accelerator).__name__}")
+    if accelerator.mixed_precision != "no":
+        raise AmpValueError(
+            f"prepare(): this Accelerator has mixed_precision={accelerator.mixed_precision!r}, so Accelerate would run "
+            "the converted model under torch.autocast and scale the loss with its own GradScaler, on top of amp_fx's "
+            "casts and LossScaler. Build it as Accelerator() (mixed_precision='no'); amp_fx's level replaces the setting.")
+    if scaler is not None and not isinstance(scaler, LossScaler):
+        raise AmpTypeError(f"prepare(scaler=...) takes an amp_fx.LossScaler, got {type(scaler).__name__}")
+    if dtype is None:
+        dtype = torch.float16 if accelerator.device.type == "cuda" else torch.bfloat16
+    converted = convert(model.to(accelerator.device), level, dtype=dtype, **convert_options)
+    if converted.amp_config.master_weights:
+        optimizer = MasterWeightOptimizer(optimizer, converted)
+    if scaler is None:
+        scaler = LossScaler(dtype=converted.amp_config.dtype, level=level)
+    prepared_model, prepared_opt, *prepared = accelerator.prepare(converted, optimizer, *others)
+    if isinstance(optimizer, MasterWeightOptimizer) and prepared_opt is not optimizer:
+        # LossScaler finds the masters through AcceleratedOptimizer.optimizer; the user clips them by this name.
+        prepared_opt.master_parameters = optimizer.master_parameters
+    accelerator.register_for_checkpointing(scaler)
+    return (prepared_model, prepared_opt, scaler, *prepared)

@@ -1,0 +1,199 @@
+"""Hugging Face Trainer with amp_fx: ``AmpFxTrainer(model=model, args=args, amp_level="O2", ...)`` in place of ``bf16=True``.
+
+:class:`AmpFxTrainer` is a ``transformers.Trainer`` that keeps the model it is
+given as ``trainer.model`` (the Trainer reads its signature, its loss kwargs,
+its ``save_pretrained`` with tied weights, and builds the optimizer over its
+parameters) and runs the forward through amp_fx:
+
+* O0/O1: ``torch.compile(model, backend=amp_fx.backend(level))``.  The compiled
+  forward calls the model's own, so ``train()``/``eval()`` on the model switch
+  dropout as usual, and every keyword the Trainer passes (``num_items_in_batch``:
+  the loss is normalised over the whole accumulated batch as with ``bf16=True``)
+  reaches the model.
+* O2/O3: ``amp_fx.convert(model, level, example_kwarg_inputs=<the first training
+  batch>)``.  At O2 the model's fp32 parameters are the masters: the Trainer's
+  own optimizer is built over them and wrapped in
+  :class:`amp_fx.MasterWeightOptimizer`, gradients are copied into them before
+  the Trainer clips, and ``save_pretrained`` writes them (fp32).
+
+``TrainingArguments(torch_compile_backend="amp_fx")`` (which Accelerate refuses
+as a DynamoBackend) is taken as ``amp_level="O1"``.  Transformers is imported
+here only, never by ``import amp_fx``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+import transformers
+
+from amp_fx.converter.api import convert
+from amp_fx.dynamo.backend import backend
+from amp_fx.errors import PACKAGE, AmpRuntimeError, AmpValueError
+from amp_fx.ir.config import LEVELS
+from amp_fx.runtime import MasterWeightOptimizer
+
+__all__ = ["AmpFxTrainer"]
+
+_BACKEND_LEVELS = ("O0", "O1")  # the backend sees no parameters to own: O2/O3 convert the model
+# The Trainer's own steps this class hooks into (transformers 5): where it clips, measures and counts.
+_TRAINER_HOOKS = ("_clip_grad_norm", "_get_grad_norm", "_get_num_items_in_batch")
+
+
+class _ZeroLowGrads(transformers.TrainerCallback):
+    """After each optimizer step, zero the converted module's low gradients (O2/O3).
+
+    The Trainer zeroes ``model.zero_grad()``: the model's parameters, which at O2 are
+    the masters. Backward writes into the converted module's bf16 copies, which it
+    never reaches, so without this their gradients would add up over all steps.
+    """
+
+    def __init__(self, trainer: "AmpFxTrainer"):
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        converted = self.trainer.amp_model
+        if converted is not None:
+            converted.zero_grad(set_to_none=True)
+
+
+class AmpFxTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` whose forward runs converted by amp_fx (module docstring).
+
+    Args (besides the Trainer's):
+        amp_level: ``"O0"``-``"O3"`` (default ``"O1"``).
+        amp_dtype: the low dtype; ``None``: bf16 on CPU, fp16 on CUDA. Only bf16 is supported with the
+            Trainer (its loop has no loss scaler of amp_fx's); fp16 is refused.
+        amp_options: options for :func:`amp_fx.backend` (O0/O1, e.g. ``{"inner": "aot_eager"}``) or
+            :func:`amp_fx.convert` (O2/O3, e.g. ``{"policy": {...}}``).
+
+    ``TrainingArguments(bf16=True)`` or ``fp16=True`` is refused: autocast would run on top of amp_fx's casts.
+    """
+
+    def __init__(self, *args: Any, amp_level: Optional[str] = None, amp_dtype: Union[None, str, torch.dtype] = None,
+                 amp_options: Optional[dict] = None, **kwargs: Any) -> None:
+        missing = [name for name in _TRAINER_HOOKS if not hasattr(transformers.Trainer, name)]
+        if missing:
+            raise AmpRuntimeError(
+                f"AmpFxTrainer needs transformers 5 (its Trainer has {', '.join(missing)}: where it clips gradients, "
+                f"measures their norm and counts a batch's labels); this is transformers {transformers.__version__}. "
+                "Upgrade transformers, or use torch.compile(model, backend='amp_fx') with the plain Trainer.")
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None and getattr(training_args, "torch_compile_backend", None) == "amp_fx":
+            # Accelerate's DynamoBackend enum has no "amp_fx": the Trainer must not hand it the name.
+            training_args = dataclasses.replace(training_args, torch_compile=False, torch_compile_backend=None)
+            if "args" in kwargs:
+                kwargs["args"] = training_args
+            else:
+                args = (args[0], training_args, *args[2:])
+            amp_level = amp_level or "O1"
+        super().__init__(*args, **kwargs)
+        amp_level = amp_level or "O1"
+        if amp_level not in LEVELS:
+            raise AmpValueError(f"AmpFxTrainer: amp_level must be one of {list(LEVELS)}, got {amp_level!r}")
+        if amp_level == "O3":
+            raise AmpValueError(
+                "AmpFxTrainer(amp_level='O3'): O3 trains the converted module's own bf16 parameters, which the "
+                "Trainer's optimizer (built over the model's parameters) does not reach. Use O1 or O2.")
+        if self.args.bf16 or self.args.fp16:
+            raise AmpValueError(
+                "AmpFxTrainer got TrainingArguments(bf16=True or fp16=True): the Trainer would run the converted "
+                "model under torch.autocast too. Leave bf16/fp16 False; amp_level= replaces them.")
+        if self.args.torch_compile:
+            raise AmpValueError(
+                "AmpFxTrainer got TrainingArguments(torch_compile=True): the Trainer would compile the model a second "
+                "time around amp_fx's. Leave torch_compile False (amp_level O0/O1 already runs torch.compile).")
+        device_type = next(self.model.parameters()).device.type
+        dtype = amp_dtype if amp_dtype is not None else (torch.float16 if device_type == "cuda" else torch.bfloat16)
+        if dtype in (torch.float16, "fp16", "float16", "half"):
+            raise AmpValueError(
+                "AmpFxTrainer trains in bf16 only: fp16 needs a loss scaler in the Trainer's backward and step, which "
+                "its loop does not expose. Use amp_dtype=torch.bfloat16, or train fp16 with "
+                f"{PACKAGE}.integrations.accelerate.prepare or the Lightning plugin.")
+        self.amp_level = amp_level
+        self.amp_dtype = dtype
+        self.amp_options = dict(amp_options or {})
+        self.amp_model: Optional[nn.Module] = None  # what compute_loss calls in place of self.model
+        if amp_level in _BACKEND_LEVELS:
+            compiler = backend(level=amp_level, dtype=dtype, **self.amp_options)
+            self.amp_model = torch.compile(self.model, backend=compiler)
+        self._masters: Optional[MasterWeightOptimizer] = None
+        if amp_level not in _BACKEND_LEVELS:
+            self.add_callback(_ZeroLowGrads(self))
+
+    # ------------------------------------------------------------ conversion (O2/O3)
+    def _example_batch(self) -> dict:
+        """The first training batch, collated and placed, without iterating a dataloader (no RNG is consumed)."""
+        if self.train_dataset is None:
+            raise AmpValueError(f"AmpFxTrainer(amp_level={self.amp_level!r}) converts the model with the first training "
+                                "batch as example inputs, and has no train_dataset.")
+        dataset, collate = self.train_dataset, self.data_collator
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            raise AmpValueError(f"AmpFxTrainer(amp_level={self.amp_level!r}) converts the model with the first training "
+                                "batch as example inputs, and an IterableDataset has no first items to read without "
+                                "consuming it. Use amp_level='O1' (torch.compile, no example inputs needed).")
+        # the columns the Trainer's own dataloader drops (those the model's forward does not take)
+        if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collate = self._get_collator_with_removed_columns(collate, description="training")
+        size = min(self.args.per_device_train_batch_size, len(dataset))
+        return self._prepare_inputs(dict(collate([dataset[i] for i in range(size)])))
+
+    def _converted(self) -> nn.Module:
+        if self.amp_model is None:
+            example = self._example_batch()
+            count = self._get_num_items_in_batch([example], self.args.device)
+            if self.model_accepts_loss_kwargs and count is not None:
+                example["num_items_in_batch"] = count  # the Trainer passes it every training step: a graph input
+            self.amp_model = convert(self.model, self.amp_level, dtype=self.amp_dtype, example_kwarg_inputs=example,
+                                     **self.amp_options)
+        return self.amp_model
+
+    def create_optimizer(self, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer, over the model's (fp32) parameters; at O2 wrapped with the converted module's masters."""
+        optimizer = super().create_optimizer(model)
+        if self.amp_level not in _BACKEND_LEVELS:
+            converted = self._converted()
+            if converted.amp_config.master_weights and not isinstance(optimizer, MasterWeightOptimizer):
+                self.optimizer = self._masters = MasterWeightOptimizer(optimizer, converted)
+        return self.optimizer
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        self._sync_master_grads()
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        self._sync_master_grads()
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def _sync_master_grads(self) -> None:
+        # The Trainer clips and measures model.parameters(): at O2 those are the masters, whose gradients
+        # are copied from the bf16 ones at the step; copy them now (once per step) so it reads this step's.
+        if self._masters is not None:
+            self._masters._sync_grads_to_masters()
+
+    # ------------------------------------------------------------ the forward
+    def _runner(self, model: nn.Module) -> nn.Module:
+        """The converted forward, in the mode the Trainer put ``model`` in."""
+        runner = self.amp_model if self.amp_level in _BACKEND_LEVELS else self._converted()
+        if runner.training != model.training:
+            # The Trainer switches the model it holds (train() for training, eval() in evaluate());
+            # the converted module follows it: dropout on while training, off while evaluating.
+            runner.train(model.training)
+        return runner
+
+    def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """The Trainer's loss, computed by the converted forward."""
+        return super().compute_loss(self._runner(model), inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+
+    def prediction_step(self, model: nn.Module, inputs: dict, prediction_loss_only: bool,
+                        ignore_keys: Optional[list] = None) -> Any:
+        """The Trainer's evaluation step (with labels: compute_loss; without: the forward), converted."""
+        return super().prediction_step(self._runner(model), inputs, prediction_loss_only, ignore_keys=ignore_keys)

@@ -1,0 +1,124 @@
+"""Accelerate: amp_fx.integrations.accelerate.prepare against Accelerator(mixed_precision="bf16"), and save/load_state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+accelerate = pytest.importorskip("accelerate")
+
+import amp_fx  # noqa: E402
+from amp_fx.integrations.accelerate import prepare  # noqa: E402
+
+# bf16 keeps 8 significant bits (u = 2^-9): amp_fx and autocast round the same GEMMs but not always at
+# the same points, so losses may differ by a few u after 10 AdamW steps: 4u = 2^-7. fp16: 4u = 2^-10.
+RTOL = {"bf16": 2.0**-7, "fp16": 2.0**-10}
+STEPS = 10
+
+
+def _accelerator(mixed_precision="no"):
+    # Accelerate keeps one process-wide state; each run here builds its own Accelerator from scratch.
+    accelerate.state.AcceleratorState._reset_state(True)
+    accelerate.state.GradientState._reset_state()
+    return accelerate.Accelerator(cpu=True, mixed_precision=mixed_precision)
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4))
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(STEPS * 8, 16, generator=g), torch.randint(0, 4, (STEPS * 8,), generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), loader
+
+
+def _train(model, opt, loader, accelerator, scaler=None, steps=STEPS, skip=0):
+    losses = []
+    for i, (x, y) in enumerate(loader):
+        if i < skip:
+            continue
+        if i >= steps:
+            break
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        if scaler is None:
+            accelerator.backward(loss)
+            opt.step()
+        else:
+            accelerator.backward(scaler.scale(loss))
+            scaler.unscale_(opt)
+            accelerator.clip_grad_norm_(opt.master_parameters() if hasattr(opt, "master_parameters") else model.parameters(), 1.0)
+            assert scaler.step(opt)
+            scaler.update()
+        losses.append(loss.item())
+    return losses
+
+
+def _reference(mixed_precision):
+    accelerator = _accelerator(mixed_precision)
+    model, opt, loader = _setup()
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    losses = []
+    for x, y in loader:
+        opt.zero_grad()
+        with accelerator.autocast():
+            loss = F.cross_entropy(model(x), y)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _amp_fx(level, dtype, **scaler_options):
+    accelerator = _accelerator()
+    model, opt, loader = _setup()
+    scaler = amp_fx.LossScaler(dtype=dtype, level=level, **scaler_options) if scaler_options else None
+    model, opt, scaler, loader = prepare(accelerator, model, opt, loader, level=level, dtype=dtype, scaler=scaler)
+    return accelerator, model, opt, scaler, loader
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_losses_match_mixed_precision_bf16(level):
+    """10 steps (with clipping at 1.0) match Accelerator(mixed_precision="bf16") within bf16 tolerance."""
+    reference = _reference("bf16")
+    accelerator, model, opt, scaler, loader = _amp_fx(level, "bf16")
+    assert isinstance(model, amp_fx.AmpGraphModule)
+    assert isinstance(opt.optimizer, amp_fx.MasterWeightOptimizer) == (level == "O2")
+    losses = _train(model, opt, loader, accelerator, scaler)
+    assert len(losses) == len(reference) == STEPS
+    for step, (ours, theirs) in enumerate(zip(losses, reference)):
+        assert abs(ours - theirs) <= RTOL["bf16"] * abs(theirs), (step, ours, theirs)
+    assert len(set(losses)) == STEPS  # every step saw its own batch and weights
+
+
+@pytest.mark.parametrize("level,dtype", [("O1", "bf16"), ("O2", "bf16"), ("O2", "fp16")])
+def test_save_state_load_state_resume_exactly(level, dtype, tmp_path):
+    """save_state after 5 steps, load_state into a fresh setup: steps 6-10, weights and scale equal an uninterrupted run."""
+    scaler_options = dict(init_scale=2.0**8, growth_interval=2) if dtype == "fp16" else {}
+    accelerator, model, opt, scaler, loader = _amp_fx(level, dtype, **scaler_options)
+    whole = _train(model, opt, loader, accelerator, scaler)
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+    final_scale = scaler.state_dict()
+
+    accelerator, model, opt, scaler, loader = _amp_fx(level, dtype, **scaler_options)
+    assert _train(model, opt, loader, accelerator, scaler, steps=5) == whole[:5]
+    accelerator.save_state(tmp_path / "state")
+
+    accelerator, model, opt, scaler, loader = _amp_fx(level, dtype, **scaler_options)
+    accelerator.load_state(tmp_path / "state")
+    assert _train(model, opt, loader, accelerator, scaler, skip=5) == whole[5:]
+    for name, value in model.state_dict().items():
+        assert value.dtype == torch.float32 and torch.equal(value, final[name]), name
+    assert scaler.state_dict() == final_scale
+    if dtype == "fp16":
+        assert final_scale["scale"] > 2.0**8  # it grew, so the loaded scale (not the initial one) is what matched
+
+
+def test_refuses_accelerator_with_autocast():
+    accelerator = _accelerator("bf16")
+    model, opt, _ = _setup()
+    with pytest.raises(amp_fx.AmpValueError, match="mixed_precision='no'"):
+        prepare(accelerator, model, opt, level="O1")
