@@ -9,25 +9,38 @@ The model is an MLP of 6 x (Linear 1024->1024, GELU, LayerNorm), batch 256,
 bf16 on CPU, MSE loss computed outside the module. Every mode trains its own
 copy with the same optimizer class and learning rate:
 
-- ``autocast``: ``torch.autocast`` + the optimizer over the fp32 parameters,
-  ``foreach``/``fused`` left unset (torch steps CPU tensors one at a time);
-  no scaler, as PyTorch's bf16 recipe. The baseline of every ratio.
-- ``autocast fused``: the same with ``fused=True`` (SGD: ``foreach=True``),
-  the faster step any autocast user can ask for.
-- ``O1`` / ``O1 fused``: ``amp_fx.convert(model, "O1")`` and the same two
-  optimizers over its (fp32) parameters, with ``amp_fx.LossScaler`` (bf16: no
-  scaling, but the inf/NaN check and skip).
+- ``autocast fused``: ``torch.autocast`` + the optimizer over the fp32
+  parameters at its fastest setting on the device (AdamW/Adam
+  ``fused=True``, SGD ``foreach=True``); no scaler, as PyTorch's bf16 recipe.
+  The baseline of every ratio (issue 27: a comparison counts only against
+  the fastest optimizer setting torch offers).
+- ``autocast``: the same with ``foreach``/``fused`` left unset (torch steps
+  CPU tensors one at a time).
+- ``O1 fused``: ``amp_fx.convert(model, "O1")`` and the fastest optimizer over
+  its (fp32) parameters, with ``amp_fx.LossScaler`` (bf16: no scaling, but the
+  inf/NaN check and skip).
 - ``O2``: ``amp_fx.convert(model, "O2")`` + ``MasterWeightOptimizer`` over
   the fp32 masters + ``LossScaler``: the lean step (one gradient copy per
-  dtype group, the step fused or foreach as ``MasterWeightOptimizer`` chooses
-  where the optimizer left it unset, one copy back).
+  dtype group into kept fp32 buffers, the fused step ``MasterWeightOptimizer``
+  chooses where the optimizer left it unset, one copy back).
+- ``O2 fresh grads``: the same with ``keep_grad_buffers=False`` (the masters'
+  gradients allocated afresh every step, as before issue 27).
+- ``O2 foreach`` (SGD only): the same with ``foreach=True``, the SGD step O2
+  chose before issue 27.
+- ``O2 fp32 accum``: the same with ``fp32_grad_accumulation=True`` (each low
+  gradient added into the master's fp32 gradient during backward).
 - ``O2 loop``: the same with ``foreach=False``, i.e. the one-at-a-time step
   the inner optimizer took before ``MasterWeightOptimizer`` chose one.
+- ``O2 bf16 norms``: ``O2`` with ``policy={"op:layer_norm": "low"}``: the
+  norms in bf16, as CPU autocast runs them. Not a recommendation; it
+  measures what O2's fp32 norms cost against autocast.
 
 Timing: modes run in interleaved rounds (rotated order), ``repeats`` steps
 each; a mode's time in a round is the median of its steps, divided by the
 baseline's in the same round; the table gives the median of those per-round
-ratios and their quartiles. ``update`` is the part of the step after
+ratios and their quartiles. The clock is this process's CPU time by default
+(``--clock cpu``; ``wall`` for elapsed time): on a machine shared with other
+jobs it leaves out the time they hold the cores. ``update`` is the part of the step after
 ``backward()``: scaler check and unscale, gradient copies, optimizer step,
 copy back.
 """
@@ -55,7 +68,7 @@ from benchmark import cpu_capability  # noqa: E402
 
 __all__ = ["main", "make_mlp", "build_modes"]
 
-BASELINE = "autocast"
+BASELINE = "autocast fused"
 OPTIMIZERS: dict[str, tuple[type, dict, dict]] = {
     # name -> (class, options, the faster implementation an autocast user can choose)
     "adamw": (torch.optim.AdamW, {"lr": 1e-4}, {"fused": True}),
@@ -67,6 +80,10 @@ OPTIMIZERS: dict[str, tuple[type, dict, dict]] = {
 def make_mlp(width: int = 1024, depth: int = 6) -> nn.Module:
     """``depth`` x (Linear width->width, GELU, LayerNorm)."""
     return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width))])
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = time.perf_counter  # set by main(): --clock
 
 
 class Mode:
@@ -84,13 +101,13 @@ class Mode:
         loss = F.mse_loss(out.float(), y)
         loss = loss if self.scaler is None else self.scaler.scale(loss)
         loss.backward()
-        start = time.perf_counter()
+        start = clock()
         if self.scaler is None:
             self.opt.step()
         else:
             self.scaler.step(self.opt)
             self.scaler.update()
-        self.last_update = time.perf_counter() - start
+        self.last_update = clock() - start
 
     def skipped(self) -> int:
         return int(getattr(self.scaler, "skipped_steps", 0) or 0)
@@ -100,9 +117,13 @@ def build_modes(base: nn.Module, data: tuple, optimizer: str) -> dict[str, Mode]
     """Every mode on its own deep copy of ``base``."""
     cls, options, faster = OPTIMIZERS[optimizer]
     modes: dict[str, Mode] = {}
-    for name in (BASELINE, "autocast fused", "O1", "O1 fused", "O2", "O2 loop"):
+    names = [BASELINE, "autocast", "O1 fused", "O2", "O2 fresh grads", "O2 fp32 accum", "O2 loop", "O2 bf16 norms"]
+    if optimizer == "sgd":
+        names.insert(6, "O2 foreach")  # the implementation O2 chose for SGD before the lean update
+    for name in names:
         model = copy.deepcopy(base)
-        impl = faster if name.endswith("fused") else {"foreach": False} if name.endswith("loop") else {}
+        impl = (faster if name.endswith("fused") else {"foreach": False} if name.endswith("loop")
+                else {"foreach": True} if name.endswith("foreach") else {})
         if name.startswith("autocast"):
             modes[name] = Mode(model, cls(model.parameters(), **options, **impl), None, True, data)
         elif name.startswith("O1"):
@@ -110,8 +131,13 @@ def build_modes(base: nn.Module, data: tuple, optimizer: str) -> dict[str, Mode]
             scaler = amp_fx.LossScaler(dtype=torch.bfloat16)
             modes[name] = Mode(gm, cls(gm.parameters(), **options, **impl), scaler, False, data)
         else:
-            gm = amp_fx.convert(model, "O2", dtype=torch.bfloat16)
-            mw = amp_fx.MasterWeightOptimizer(cls(model.parameters(), **options, **impl), gm)
+            # "O2 bf16 norms" runs layer_norm in bf16, as CPU autocast does (not a recommendation: it shows
+            # how much of O2's step the fp32 norms cost against autocast's bf16 ones)
+            policy = {"op:layer_norm": "low"} if name == "O2 bf16 norms" else None
+            gm = amp_fx.convert(model, "O2", dtype=torch.bfloat16, policy=policy)
+            keep = name != "O2 fresh grads"
+            mw = amp_fx.MasterWeightOptimizer(cls(model.parameters(), **options, **impl), gm, keep_grad_buffers=keep,
+                                              fp32_grad_accumulation=name == "O2 fp32 accum")
             modes[name] = Mode(gm, mw, amp_fx.LossScaler(dtype=torch.bfloat16), False, data)
     return modes
 
@@ -125,9 +151,9 @@ def time_rounds(modes: dict[str, Mode], rounds: int, repeats: int) -> dict[str, 
         for name in names[shift:] + names[:shift]:  # rotate: no mode always follows the same one
             steps, updates = [], []
             for _ in range(repeats):
-                start = time.perf_counter()
+                start = clock()
                 modes[name].step()
-                steps.append(time.perf_counter() - start)
+                steps.append(clock() - start)
                 updates.append(modes[name].last_update)
             out[name]["step"].append(statistics.median(steps))
             out[name]["update"].append(statistics.median(updates))
@@ -144,28 +170,36 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--optimizer", default="adamw", choices=tuple(OPTIMIZERS))
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--width", type=int, default=1024, help="the MLP's width (4096: 64 MiB fp32 weights)")
+    parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1: a shared machine)")
+    parser.add_argument("--clock", default="cpu", choices=tuple(CLOCKS),
+                        help="cpu: this process's CPU time (default: on a shared machine it leaves out the time other "
+                             "processes hold the cores); wall: elapsed time")
     args = parser.parse_args(argv)
+    global clock
+    clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    base = make_mlp()
-    data = (torch.randn(args.batch, 1024), torch.randn(args.batch, 1024))
+    base = make_mlp(args.width, args.depth)
+    data = (torch.randn(args.batch, args.width), torch.randn(args.batch, args.width))
     modes = build_modes(base, data, args.optimizer)
     inner = modes["O2"].opt.param_groups[0]
     print(f"torch {torch.__version__}, {args.threads} thread(s); {cpu_capability()}")
-    print(f"torch.ops.mkldnn._is_mkldnn_bf16_supported() = {torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
-    print(f"MLP 6 x (Linear 1024->GELU->LayerNorm), {sum(p.numel() for p in base.parameters())} parameters, "
+    print(f"torch.ops.mkldnn._is_mkldnn_bf16_supported() = {torch.ops.mkldnn._is_mkldnn_bf16_supported()}; "
+          f"baseline: {BASELINE} ({OPTIMIZERS[args.optimizer][2]})")
+    print(f"MLP {args.depth} x (Linear {args.width}->GELU->LayerNorm), {sum(p.numel() for p in base.parameters())} parameters, "
           f"batch {args.batch}, bf16, {args.optimizer}; O2's inner step: foreach={inner['foreach']} "
-          f"fused={inner.get('fused')}; {args.rounds} rounds x {args.repeats} steps")
+          f"fused={inner.get('fused')}; {args.rounds} rounds x {args.repeats} steps; clock: {args.clock}")
     for mode in modes.values():
         for _ in range(args.warmup):
             mode.step()
     times = time_rounds(modes, args.rounds, args.repeats)
     base_t = times[BASELINE]
-    print(f"\n{'mode':16} {'step ms':>8} {'ratio to autocast':>20} {'update ms':>10} {'update ratio':>20} skipped")
+    print(f"\n{'mode':16} {'step ms':>8} {'ratio to baseline':>20} {'update ms':>10} {'update ratio':>20} skipped")
     for name, t in times.items():
         print(f"{name:16} {statistics.median(t['step']) * 1e3:8.1f} {ratio_cell(t['step'], base_t['step']):>20} "
               f"{statistics.median(t['update']) * 1e3:10.1f} {ratio_cell(t['update'], base_t['update']):>20} "

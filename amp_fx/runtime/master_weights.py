@@ -29,10 +29,16 @@ them, as in Apex.
 Each step is three bulk operations per (device, dtype) group of parameters:
 one ``torch._foreach_copy_`` of the module's gradients into the masters', the
 wrapped optimizer's step, and one ``torch._foreach_copy_`` of the masters back
-into the module. Where the wrapped optimizer leaves ``foreach`` and ``fused``
-unset and its masters are on CPU, Adam and AdamW step fused and SGD foreach
-(torch would step them one tensor at a time there; see
-:mod:`amp_fx.runtime.step_impl`); pass ``foreach=False`` to keep the loop.
+into the module. Under a :class:`~amp_fx.runtime.LossScaler` the way in is one
+copy per gradient, each checked for inf/NaN (and unscaled) right after its
+copy, while it is still in cache (``_sync_check_and_unscale_``: the same
+kernels and bits as a check over all of them). Where the wrapped optimizer leaves ``foreach`` and ``fused``
+unset and its masters are on CPU, Adam, AdamW and SGD step fused (torch would
+step them one tensor at a time there; see :mod:`amp_fx.runtime.step_impl`);
+pass ``foreach=False`` to keep the loop. The masters' fp32 gradients are
+copied into buffers kept from the last step (``keep_grad_buffers=True``, the
+default): no allocation per step, at 4 bytes per low parameter held between
+steps.
 
 With ``fp32_grad_accumulation=True`` the masters' gradients are kept instead:
 each low gradient is added into its master's fp32 gradient as backward makes
@@ -68,8 +74,9 @@ from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer, check_inner_optim
 from . import fp32_grad_accumulation as fp32_accum
 from .dtensors import is_dtensor, local_tensor, refuse_replaced_params, shard_like
 from .master_copies import CopyGroup, group_pairs
+from .overflow import check_and_unscale_, grads_of
 from .modules import unwrap_compiled
-from .step_impl import prefer_fast_step
+from .step_impl import fused_sgd_guard, prefer_fast_step
 from amp_fx.errors import AmpKeyError, AmpValueError, checks_keywords
 
 __all__ = ["MasterWeightOptimizer"]
@@ -134,6 +141,15 @@ class MasterWeightOptimizer(WrappedOptimizer):
             gradient as backward makes it, and free it (default False; module
             docstring): gradient accumulation over micro-batches then rounds in
             fp32. Costs 4 bytes per low parameter between backward and step.
+        keep_grad_buffers: reuse one fp32 gradient buffer per master from step
+            to step (default True) instead of allocating the masters'
+            gradients afresh at every step: faster where tensors are large
+            (no page faults on fresh memory; :mod:`amp_fx.runtime.master_copies`),
+            but the 4 bytes per low parameter stay held between steps,
+            through forward and backward. A buffer anybody else still holds
+            (a reference kept from ``master.grad``, a view of it) is never
+            overwritten: a new one is made. False frees them at
+            ``zero_grad()``, as torch does.
 
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own
     objects, so LR schedulers built over this wrapper (or over the wrapped
@@ -148,6 +164,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         masters: Mapping[str, torch.Tensor] | None = None,
         scaler: Any = None,
         fp32_grad_accumulation: bool = False,
+        keep_grad_buffers: bool = True,
     ) -> None:
         check_inner_optimizer(optimizer, "MasterWeightOptimizer")
         module = unwrap_compiled(module)
@@ -156,7 +173,10 @@ class MasterWeightOptimizer(WrappedOptimizer):
             raise AmpValueError(f"fp32_grad_accumulation must be True or False, got {fp32_grad_accumulation!r}")
         if fp32_grad_accumulation:
             _check_fp32_accumulation(module)
+        if not isinstance(keep_grad_buffers, bool):
+            raise AmpValueError(f"keep_grad_buffers must be True or False, got {keep_grad_buffers!r}")
         self._fp32_accum = fp32_grad_accumulation
+        self._keep_buffers = keep_grad_buffers
         self.optimizer = optimizer
         self.module = module
         self._scaler = scaler
@@ -186,6 +206,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._masters: dict[str, torch.Tensor] = {}  # name -> master, owned names only
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (module param, master)
         self._groups: list[CopyGroup] | None = None  # _pairs by (device, dtypes); None: regroup
+        self._old_groups: list[CopyGroup] | None = None  # the groups before a regroup (their kept buffers)
 
         # Map everything first and swap last: a refused optimizer is left untouched.
         swapped = [[self._master_for(p) for p in g["params"]] for g in optimizer.param_groups]
@@ -249,7 +270,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self._masters[name] = master
         if master is not module_param:
             self._pairs.append((module_param, master))
-            self._groups = None
+            self._old_groups, self._groups = self._groups or self._old_groups, None
         return master
 
     def _adopt(self, param: torch.Tensor) -> torch.Tensor:
@@ -289,6 +310,10 @@ class MasterWeightOptimizer(WrappedOptimizer):
         for group in self.param_groups:
             for master in group["params"]:
                 yield module_of.get(id(master), master)
+
+    def grad_buffer_bytes(self) -> int:
+        """Bytes held by kept fp32 gradient buffers that no master's ``.grad`` points at now (``keep_grad_buffers``)."""
+        return sum(group.buffer_bytes() for group in self._copy_groups())
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of parameters, as Apex did: low-precision ones get fp32 masters.
@@ -332,7 +357,11 @@ class MasterWeightOptimizer(WrappedOptimizer):
     def _copy_groups(self) -> list[CopyGroup]:
         """The (module param, master) pairs by (device, dtypes), regrouped after the pairs changed."""
         if self._groups is None:
-            self._groups = group_pairs(self._pairs)
+            old = {id(m): b for g in (self._old_groups or ()) for m, b in zip(g.masters, g.buffers) if b is not None}
+            self._groups = group_pairs(self._pairs, self._keep_buffers)
+            for group in self._groups:  # a regroup (add_param_group) keeps the buffers it already has
+                group.buffers = [old.get(id(m)) for m in group.masters]
+            self._old_groups = None
             self._sync_entries = writers(self._pairs)  # the converted modules' records these copies refresh
         return self._groups
 
@@ -352,6 +381,42 @@ class MasterWeightOptimizer(WrappedOptimizer):
                 for group in self._copy_groups():
                     group.copy_grads_to_masters()
         self._grads_synced = True
+
+    def _sync_check_and_unscale_(self, inv_scale: float) -> dict[torch.device, torch.Tensor] | None:
+        """Copy the low grads into the masters' and check/unscale each right after its copy; the verdicts per device.
+
+        What :class:`~amp_fx.runtime.LossScaler` calls in place of ``_sync_grads_to_masters()`` followed by a check
+        of every master gradient: the same kernels and bits, but each gradient is checked while its copy is still
+        in cache. None (nothing done) where that path does not apply: already synced this iteration,
+        fp32_grad_accumulation (nothing to copy), or torch.distributed (sharded gradients are reduced over ranks).
+        """
+        if self._grads_synced or self._fp32_accum or (dist.is_available() and dist.is_initialized()):
+            return None
+        groups = self._copy_groups()
+        if any(group.sharded for group in groups):
+            return None
+        found: dict[torch.device, torch.Tensor] = {}
+        inverses: dict[torch.device, torch.Tensor] = {}
+
+        def verdict(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+            if device not in found:
+                found[device] = torch.zeros((), dtype=torch.float32, device=device)
+                inverses[device] = torch.full((), inv_scale, dtype=torch.float32, device=device)
+            return found[device], inverses[device]
+
+        with torch.no_grad():
+            for group in groups:
+                if group.masters:
+                    group.copy_grads_to_masters(check=verdict(group.masters[0].device))
+            # Masters that are their own module parameter (fp32 ones) got their gradients from autograd.
+            copied = {id(m) for group in groups for m in group.masters}
+            others = [m for m in self.master_parameters() if id(m) not in copied]
+            for device, flag in check_and_unscale_(grads_of([{"params": others}]), inv_scale).items():
+                found[device] = found[device] + flag if device in found else flag
+        # A device whose masters all had no gradient checked nothing: like check_and_unscale_, report none for it.
+        checked = {m.grad.device for m in self.master_parameters() if m.grad is not None}
+        self._grads_synced = True
+        return {device: flag for device, flag in found.items() if device in checked}
 
     def _discard_synced_grads(self) -> None:
         """Forget this iteration's sync (the scaler skipped the step; fp32_grad_accumulation: drop the sum too)."""
@@ -384,7 +449,8 @@ class MasterWeightOptimizer(WrappedOptimizer):
                 return False
             loss = True
         self._sync_grads_to_masters()
-        self.optimizer.step()
+        with fused_sgd_guard(self.optimizer):
+            self.optimizer.step()
         self._copy_masters_to_module()
         if self._fp32_accum:
             self._free_master_grads()  # the next micro-batches start a new sum (and the 4 bytes/param are freed)

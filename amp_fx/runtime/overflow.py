@@ -19,7 +19,7 @@ import torch
 from .dtensors import local_tensor
 from amp_fx.errors import PACKAGE, AmpNotImplementedError, AmpTypeError
 
-__all__ = ["check_and_unscale_", "grads_of", "combined_found_inf"]
+__all__ = ["check_and_unscale_", "check_and_unscale_into_", "grads_of", "combined_found_inf"]
 
 
 def grads_of(param_groups: Iterable[dict]) -> list[torch.Tensor]:
@@ -75,6 +75,17 @@ def check_and_unscale_(
                 _check_and_unscale_one_dtype(same_dtype, found_inf, inv)
             found[device] = found_inf
     return found
+
+
+def check_and_unscale_into_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv: torch.Tensor) -> None:
+    """:func:`check_and_unscale_` for same-device, same-dtype ``grads`` into a verdict the caller holds.
+
+    ``found_inf`` (0-dim float32) is added to when inf/NaN is found; ``inv`` is the
+    reciprocal scale as a 0-dim float32 tensor on the same device. Lets a caller
+    check each gradient right after writing it, while it is still in cache
+    (:meth:`amp_fx.runtime.master_copies.CopyGroup.copy_grads_to_masters`).
+    """
+    _check_and_unscale_one_dtype(grads, found_inf, inv)
 
 
 def _check_and_unscale_one_dtype(

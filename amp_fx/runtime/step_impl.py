@@ -4,34 +4,48 @@ Where ``foreach`` and ``fused`` are both left unset, torch steps CUDA tensors
 with its foreach implementation but CPU tensors one at a time. For the fp32
 masters of a :class:`~amp_fx.runtime.MasterWeightOptimizer` on CPU this picks,
 per optimizer class, what measured fastest there (6 x 1024x1024 Linear +
-LayerNorm parameters, interleaved rounds, ratio to the one-at-a-time step):
+LayerNorm parameters, interleaved rounds, ratio to the one-at-a-time step;
+SGD with momentum 0.9):
 
 =========  =======  ========  =========================================
 optimizer  foreach  fused     chosen
 =========  =======  ========  =========================================
 Adam       1.12     0.26      fused
 AdamW      1.15     0.25      fused
-SGD        0.87     0.55      foreach (see below)
+SGD        0.87     0.55      fused (one pass over memory, not three)
 =========  =======  ========  =========================================
 
-Fused SGD with momentum is not chosen: it needs every parameter of a group to
-have a momentum buffer or none to have one (``torch.optim.sgd._fused_sgd``),
+torch's fused SGD kernel runs the foreach step's fp32 operations in one pass;
+on CPU it rounds ``buf * momentum + grad`` once (a fused multiply-add) on the
+elements its vector loop leaves to a scalar tail, where foreach rounds twice,
+so the two may differ by one rounding per step there (bounded in
+``tests/runtime/test_lean_update.py``). Measured in the whole O2 step of the
+benchmark MLP (``examples/bench_o2_step.py --optimizer sgd``): the update
+takes 0.8x the foreach one. The fused kernel needs every parameter of a group
+that has a gradient to have a momentum buffer, or none to have one
+(``torch.optim.sgd._fused_sgd`` passes the buffer list to the kernel as is),
 so a parameter that gets its first gradient after the others would make the
-step fail. An explicit ``foreach=`` or ``fused=`` (either value) is the user's
-choice and is kept: ``foreach=False`` restores torch's one-at-a-time step.
+step fail: :func:`fused_sgd_guard` steps such a group with foreach for that
+one step, after which every buffer exists.
+
+An explicit ``foreach=`` or ``fused=`` (either value) is the user's choice and
+is kept: ``foreach=False`` restores torch's one-at-a-time step.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch import nn
 
-__all__ = ["prefer_fast_step"]
+__all__ = ["prefer_fast_step", "fused_sgd_guard"]
 
 _CPU_CHOICE: dict[type, str] = {
     torch.optim.Adam: "fused",
     torch.optim.AdamW: "fused",
-    torch.optim.SGD: "foreach",
+    torch.optim.SGD: "fused",
 }
 _PLAIN = (torch.Tensor, nn.Parameter)
 
@@ -50,3 +64,30 @@ def prefer_fast_step(optimizer: torch.optim.Optimizer) -> None:
         if all(type(p) in _PLAIN and p.device.type == "cpu" and p.dtype == torch.float32
                for p in group["params"]):
             group[choice] = True
+
+
+def _mixed_buffers(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """True when some parameters with a gradient have a momentum buffer and others have none."""
+    have = set()
+    for p in group["params"]:
+        if p.grad is not None:
+            have.add(optimizer.state.get(p, {}).get("momentum_buffer") is not None)
+            if len(have) == 2:
+                return True
+    return False
+
+
+@contextlib.contextmanager
+def fused_sgd_guard(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Around ``optimizer.step()``: a fused SGD group whose momentum buffers are partly missing steps foreach once."""
+    switched = []
+    if isinstance(optimizer, torch.optim.SGD):
+        for group in optimizer.param_groups:
+            if group.get("fused") and group.get("momentum", 0) != 0 and _mixed_buffers(optimizer, group):
+                switched.append((group, group.get("foreach")))
+                group["fused"], group["foreach"] = False, True
+    try:
+        yield
+    finally:
+        for group, foreach in switched:
+            group["fused"], group["foreach"] = True, foreach

@@ -2,11 +2,12 @@
 
 1. After each step the masters, the optimizer state and the module's low weights equal those of a plain fp32
    torch optimizer (same options) stepped on the same gradients: bitwise (the math is the same).
-2. Where the inner optimizer leaves foreach/fused unset, Adam/AdamW step fused and SGD foreach on CPU; an explicit
+2. Where the inner optimizer leaves foreach/fused unset, Adam/AdamW/SGD step fused on CPU; an explicit
    choice is kept, also through add_param_group and load_state_dict.
 3. A skipped step (inf/NaN gradient) leaves parameters, masters and optimizer state untouched.
 4. A parameter without a gradient is not touched: no weight decay, no momentum step, no state.
-5. Each direction is one ``torch._foreach_copy_`` per dtype group, not one per parameter, also after add_param_group.
+5. Each direction is one ``torch._foreach_copy_`` per dtype group, also after add_param_group; under a scaler the
+   way in is one copy per gradient, each checked right after its copy.
 6. The inf/NaN check is one fused kernel call per (device, dtype), finds inf and NaN in bf16 and fp16 gradients,
    unscales as GradScaler's kernel does, and is read once per step; without the kernel a foreach fallback agrees.
 """
@@ -109,7 +110,7 @@ def test_lean_step_equals_an_fp32_step_on_the_masters(name, dtype, impl):
 
 
 # ------------------------------------------------------------------ 2
-@pytest.mark.parametrize("name,chosen", [("adam", "fused"), ("adamw", "fused"), ("sgd-momentum", "foreach")])
+@pytest.mark.parametrize("name,chosen", [("adam", "fused"), ("adamw", "fused"), ("sgd-momentum", "fused")])
 def test_unset_implementation_is_chosen_and_an_explicit_one_kept(name, chosen):
     _, gm, mw, _ = o2(name, torch.bfloat16)
     assert mw.param_groups[0][chosen] is True
@@ -206,14 +207,20 @@ class CountCalls:
 
 
 def test_one_copy_per_dtype_group_each_way(monkeypatch):
-    """6 low (Linear) and 4 fp32 (LayerNorm) parameters with masters: 2 copies in, 2 out; add_param_group regroups."""
+    """6 low (Linear) and 4 fp32 (LayerNorm) parameters with masters: 2 copies in, 2 out; add_param_group regroups.
+
+    Under a LossScaler the way in is one copy per gradient, each checked right after its copy (issue 27: while
+    it is in cache), and the way out one foreach copy per group; a plain ``mw.step()`` copies in per group too.
+    """
     _, gm, mw, scaler = o2("adamw", torch.bfloat16)
     x, y = make_batches(1)[0]
     mw.zero_grad()
     backward(gm, scaler, x, y)
     copies = CountCalls(monkeypatch, "_foreach_copy_")
+    checks = CountCalls(monkeypatch, "_amp_foreach_non_finite_check_and_unscale_")
     assert scaler.step(mw) is True
-    assert sorted(copies.lengths) == [4, 4, 6, 6]
+    assert sorted(copies.lengths) == [4, 6]
+    assert checks.lengths == [1] * 10
 
     other = amp_fx.convert(make_model(1), "O2", dtype=torch.bfloat16)
     mw.add_param_group({"params": list(other.parameters())})
@@ -221,9 +228,18 @@ def test_one_copy_per_dtype_group_each_way(monkeypatch):
     mw.zero_grad()
     scaler.scale(F.cross_entropy(gm(x) + other(x), y)).backward()
     copies.lengths.clear()
+    checks.lengths.clear()
     assert scaler.step(mw) is True
     # The added model's parameters join the groups, with its own model's parameters as masters (its fp32
     # LayerNorm copies too, as for the first model).
+    assert sorted(copies.lengths) == [8, 12]
+    assert checks.lengths == [1] * 20
+
+    scaler.update()
+    mw.zero_grad()
+    F.cross_entropy(gm(x) + other(x), y).backward()
+    copies.lengths.clear()
+    mw.step()  # no scaler: nothing to check, one foreach copy per group each way
     assert sorted(copies.lengths) == [8, 8, 12, 12]
 
 
@@ -264,7 +280,7 @@ def test_check_finds_inf_and_nan_in_low_grads_and_unscales(monkeypatch, count_ho
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=["fp16", "bf16"])
-def test_o2_step_reads_the_verdict_once_and_checks_masters_in_one_call(monkeypatch, count_host_syncs, dtype):
+def test_o2_step_reads_the_verdict_once_and_checks_each_master_grad_once(monkeypatch, count_host_syncs, dtype):
     _, gm, mw, scaler = o2("adamw", dtype)
     x, y = make_batches(1)[0]
     backward(gm, scaler, x, y)
@@ -273,7 +289,8 @@ def test_o2_step_reads_the_verdict_once_and_checks_masters_in_one_call(monkeypat
         assert scaler.step(mw) is True
         scaler.update()
     assert syncs.count == 1
-    assert calls.lengths == [len(list(mw.master_parameters()))]  # all fp32 master grads: one group
+    # every fp32 master gradient checked once, each right after its copy
+    assert calls.lengths == [1] * len(list(mw.master_parameters()))
 
 
 def test_closure_step_through_the_lean_path():
