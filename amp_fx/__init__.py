@@ -38,6 +38,11 @@ _LAZY = {
     "calibrate": ".inspection.calibration",
     # torch.compile backend: Dynamo skipped or broke a model's frames, nothing converted
     "NothingConvertedWarning": ".dynamo.watch",
+    # fp8 GEMMs (docs/fp8.md): the recipe, and each fp8 GEMM's scales and amax history
+    "Fp8Config": ".ir.fp8_rules",
+    "fp8_states": ".passes.fp8_gemms",
+    "fp8_report": ".inspection.fp8_view",
+    "track_fp8": ".inspection.fp8_view",
     # cache_casts=True: drop cached weight casts after a write through p.data
     "clear_cast_cache": ".graph_ops.cast_cache",
     # errors and warnings docs/refusals.md and docs/training.md name as amp_fx.X

@@ -172,6 +172,7 @@ def convert(
     fuse_precision: Optional[bool] = None,
     cache_casts: Optional[Union[bool, str]] = None,
     dynamic_shapes: Any = None,
+    fp8: Any = None,
 ) -> AmpGraphModule:
     """Return ``model`` rewritten for mixed precision at Apex level ``level`` (O0-O3).
 
@@ -205,6 +206,10 @@ def convert(
             detected (only reading the whole weight could tell), so the old
             cast is served; after one call ``gm.clear_cast_cache()``, or write
             under ``torch.no_grad()`` without ``.data`` (:mod:`amp_fx.graph_ops.cast_cache`).
+        fp8: run eligible GEMMs as scaled fp8 GEMMs: ``True`` (tensorwise), a recipe name
+            (``"tensorwise"``, ``"rowwise"``, ``"delayed"``), a dict of :class:`amp_fx.Fp8Config`
+            fields or an ``Fp8Config`` (default None: only where a policy says ``"fp8"``;
+            :mod:`amp_fx.passes.fp8_gemms`, docs/fp8.md).
         leaf_modules: module types or names to keep whole (not traced into).
         on_unknown_op: ``"follow"`` (default), ``"fp32"`` or ``"error"`` for
             ops in no table.
@@ -239,7 +244,7 @@ def convert(
         level, dtype=dtype, keep_batchnorm_fp32=keep_batchnorm_fp32, keep_losses_fp32=keep_losses_fp32,
         cast_model_outputs=cast_model_outputs,
         on_unknown_op=on_unknown_op, allow_banned=allow_banned, minimize_casts=minimize_casts, pad_gemm=pad_gemm,
-        fuse_precision=fuse_precision, cache_casts=cache_casts,
+        fuse_precision=fuse_precision, cache_casts=cache_casts, fp8=fp8,
     ).for_device(device)
     policy = Policy.coerce(policy)
     if isinstance(model, AmpGraphModule) and hasattr(model, "amp_config"):

@@ -21,12 +21,14 @@ from amp_fx.passes.cache_weight_casts import cache_weight_casts
 from amp_fx.passes.cast_params import cast_params
 from amp_fx.passes.dedupe_casts import dedupe_casts
 from amp_fx.passes.fold_casts import fold_casts
+from amp_fx.passes.fp8_gemms import fp8_gemms
 from amp_fx.passes.fuse_precision import fuse_precision
 from amp_fx.passes.honour_autocast_regions import honour_autocast_regions
 from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.passes.minimize_casts import minimize_casts
 from amp_fx.passes.outline_checkpoints import outline_checkpoints
 from amp_fx.passes.pad_gemm import pad_gemm
+from amp_fx.passes.paint_fp8 import paint_fp8
 from amp_fx.passes.propagate_meta import propagate_meta
 from amp_fx.passes.retarget_dtype_constants import retarget_dtype_constants
 
@@ -47,6 +49,8 @@ def build_pipeline(config: AmpConfig, *, own_params: bool) -> list[AmpPass]:
     # honour_autocast_regions repaints ops inside a Dynamo graph's own
     # torch.autocast regions; it changes nothing in graphs without them.
     pipeline: list[AmpPass] = [propagate_meta, assign_precision, honour_autocast_regions]
+    # A policy's "fp8" paints low; fp8_gemms (below) makes the eligible GEMMs fp8 once the casts are final.
+    pipeline.append(paint_fp8)
     if config.cast_params and own_params:
         pipeline.append(cast_params)
     # One dtype analysis of the paint: every later pass, the report and the views read it.
@@ -58,6 +62,8 @@ def build_pipeline(config: AmpConfig, *, own_params: bool) -> list[AmpPass]:
         pipeline.append(fuse_precision)
     # On the final paint and its analysis, before the casts: finfo(fp32).min read in bf16 becomes finfo(bf16).min.
     pipeline += [retarget_dtype_constants, insert_casts, dedupe_casts, fold_casts]
+    # On the final casts: an fp8 GEMM bypasses its operands' low casts (it quantizes what they read).
+    pipeline.append(fp8_gemms)
     if config.pad_gemm is not False:
         # "auto" pads on CUDA only; the pass reads the device from the context and says so in the report.
         pipeline.append(pad_gemm)

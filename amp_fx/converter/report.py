@@ -139,7 +139,8 @@ class ConversionReport:
         t = self.totals()
         lines = [
             f"amp_fx conversion: level {self.level}, dtype {self.dtype}, traced with {self.route}",
-            f"  low {t['low_nodes']} | fp32 {t['fp32_nodes']} | follow {t['follow_nodes']} | promote {t['promote_nodes']} nodes; "
+            f"  low {t['low_nodes']} | fp32 {t['fp32_nodes']} | follow {t['follow_nodes']} | promote {t['promote_nodes']}"
+            + (f" | fp8 {self.count('fp8')}" if self.count("fp8") else "") + " nodes; "
             f"{t['casts_inserted']} casts inserted ({t['weight_casts']} of weights)"
             + (f", {t['cast_bytes_per_forward']} cast bytes per forward" if t["cast_bytes_per_forward"] is not None else ""),
         ]

@@ -71,6 +71,8 @@ class Summary:
     shapes_known: bool = False
     unknown_ops: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    fp8_gemms: int = 0  # GEMMs run as scaled fp8 GEMMs (passes/fp8_gemms.py)
+    fp8_flop_share: Optional[float] = None  # their share of GEMM FLOPs, from the GEMMs' shapes
 
     @property
     def low_flop_share(self) -> Optional[float]:
@@ -112,6 +114,9 @@ class Summary:
                          + (", ".join(f"{k} {_human(v)}" for k, v in sorted(self.activations.items())) or "none"))
         else:
             lines.append("  activations: unknown (needs shapes: pass example_inputs)")
+        if self.fp8_gemms:
+            share = "" if self.fp8_flop_share is None else f", {self.fp8_flop_share:.1%} of GEMM FLOPs"
+            lines.append(f"  fp8 GEMMs: {self.fp8_gemms}{share}")
         if self.unknown_ops:
             lines.append(f"  ops in no table (they followed their input): {self.unknown_ops}")
         lines.extend(f"  note: {n}" for n in self.notes)
@@ -224,6 +229,8 @@ def summary(converted: Union[fx.GraphModule, ConversionReport], example_inputs: 
         casts=totals["casts_inserted"], weight_casts=totals["weight_casts"], cast_bytes=totals["cast_bytes_per_forward"],
         unknown_ops=dict(totals["unknown_ops"]),
     )
+    fp8 = report.passes.get("fp8_gemms", {})
+    out.fp8_gemms, out.fp8_flop_share = fp8.get("fp8", 0), fp8.get("fp8_flop_share") if fp8.get("fp8") else None
     if gm is None:
         out.notes.append("from a report alone: pass the converted module for FLOPs, parameters and memory")
         return out

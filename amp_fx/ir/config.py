@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from amp_fx.ir.devices import device_type_of, low_dtype_for
+from amp_fx.ir.fp8_rules import Fp8Config, parse_fp8
 from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError, unknown_options_error
 
 __all__ = ["AmpConfig", "LEVELS", "make_config", "parse_dtype"]
@@ -89,6 +90,8 @@ class AmpConfig:
     # casts each weight once per optimizer step.  Opt-in: an in-place write through ``p.data`` (a hand-written
     # ``p.data -= lr * p.grad``) bypasses the version counter the cache is keyed to.
     cache_casts: Union[bool, str] = False
+    # fp8 GEMMs (amp_fx/ir/fp8_rules.py, passes/fp8_gemms.py): None, or how eligible GEMMs run in fp8.
+    fp8: Optional[Fp8Config] = None
 
     @property
     def low_dtype(self) -> torch.dtype:
@@ -122,6 +125,7 @@ class AmpConfig:
         for key in ("dtype", "cast_model_outputs"):
             if isinstance(data.get(key), str):
                 data[key] = getattr(torch, data[key])
+        data["fp8"] = parse_fp8(data.get("fp8"))
         return cls(**data)
 
 
@@ -141,6 +145,7 @@ def make_config(level: str = "O1", **overrides: Any) -> AmpConfig:
     settings = dict(defaults, **_PRESETS[level], level=level)
     settings.update({k: v for k, v in overrides.items() if v is not None})
     settings["dtype"] = parse_dtype(settings.get("dtype"))
+    settings["fp8"] = parse_fp8(settings.get("fp8"))
     if settings.get("cast_model_outputs") is False:  # "keep the outputs as the graph computes them"
         settings["cast_model_outputs"] = None
     if settings.get("cast_model_outputs") is not None and not isinstance(settings["cast_model_outputs"], torch.dtype):

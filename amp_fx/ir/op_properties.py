@@ -43,6 +43,7 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from amp_fx.ir import meta, tables
+from amp_fx.ir.fp8_rules import FP8_OPS
 
 __all__ = ["OpProperties", "FusedForm", "of", "exact_under_rounding", "exact_under_rounding_at", "known_ops",
            "CAST_OPS", "NAMED_CASTS", "FUSED_FORMS", "HOOK_BOUNDARY_OPS", "HOOK_VALUE_OP", "BACKWARD_KINDS"]
@@ -212,7 +213,7 @@ class OpProperties:
     keeps_first_dtype: bool = False  # its result has its first input's dtype
     real_of_complex: bool = False  # the real part of a complex input is real
     complex_result: bool = False  # makes complex values
-    fp8: bool = False  # may run in an fp8 dtype (filled by the fp8 work; False until verified)
+    fp8: bool = False  # a GEMM that may run as a scaled fp8 GEMM (amp_fx/ir/fp8_rules.py; verified against torchao)
 
     @property
     def exact_under_rounding(self) -> bool:
@@ -244,7 +245,7 @@ def of(op: Optional[str]) -> OpProperties:
         non_float_result=op in _NON_FLOAT_RESULT, non_tensor_result=op in _NON_TENSOR_RESULT,
         tuple_result=op in _TUPLE_RESULT,
         keeps_first_dtype=op in tables.DATA_MOVEMENT and op not in _NOT_FIRST_DTYPE,
-        real_of_complex=op in _REAL_OF_COMPLEX, complex_result=op in _COMPLEX_RESULT,
+        real_of_complex=op in _REAL_OF_COMPLEX, complex_result=op in _COMPLEX_RESULT, fp8=op in FP8_OPS,
     )
 
 

@@ -45,8 +45,8 @@ from amp_fx.ir.op_keys import TORCH_NAMESPACES, callable_op_name, is_custom_op, 
 
 __all__ = ["Policy", "DECISIONS", "PolicyRule"]
 
-# What a rule can say about a node.
-DECISIONS = ("low", "fp32", "follow", "promote")
+# What a rule can say about a node.  "fp8": low precision, with the GEMMs inside run in fp8 (passes/fp8_gemms.py).
+DECISIONS = ("low", "fp32", "follow", "promote", "fp8")
 
 
 @dataclass(frozen=True)

@@ -182,7 +182,9 @@ def test_the_registry_is_consistent_with_the_tables_and_itself():
         assert props.backward != "computes" and props.may_alias and props.data_movement, op
     for op in op_properties.known_ops():
         props = op_properties.of(op)
-        assert props.backward in op_properties.BACKWARD_KINDS and props.fp8 is False
+        assert props.backward in op_properties.BACKWARD_KINDS
+        # fp8: the GEMMs verified bit for bit against torchao (tests/fp8/test_fp8_torchao.py)
+        assert props.fp8 is (op in ("linear", "matmul", "mm", "addmm")) and (not props.fp8 or props.gemm_args is not None), op
         assert not props.cast_hoistable or (props.exact_under_rounding and props.data_movement), op
         assert not props.view or props.may_alias, op
         assert not props.native_promotion or props.either_precision, op

@@ -304,9 +304,9 @@ def _design_kinds() -> dict[str, str]:
     text = (ROOT / "docs" / "design.md").read_text()
     kinds = {}
     for line in text.splitlines():
-        match = re.match(r"\|\s*(`[a-z_]+`(?:,\s*`[a-z_]+`)*)\s*\|\s*(analysis|repaint|rewrite)\s*\|", line)
+        match = re.match(r"\|\s*(`[a-z0-9_]+`(?:,\s*`[a-z0-9_]+`)*)\s*\|\s*(analysis|repaint|rewrite)\s*\|", line)
         if match:
-            for name in re.findall(r"`([a-z_]+)`", match.group(1)):
+            for name in re.findall(r"`([a-z0-9_]+)`", match.group(1)):
                 kinds[name] = match.group(2)
     return kinds
 
@@ -331,7 +331,7 @@ def _design_rows() -> dict[str, tuple[set, set, set]]:
         for part in filter(None, (p.strip() for p in cells[3].split(";"))):
             verb, _, props = part.partition(" ")
             said[verb] = {p.strip() for p in props.split(",")}
-        for name in re.findall(r"`([a-z_]+)`", cells[0]):
+        for name in re.findall(r"`([a-z0-9_]+)`", cells[0]):
             rows[name] = ({p.strip() for p in cells[2].split(",") if p.strip()}, said["ensures"], said["invalidates"])
     return rows
 

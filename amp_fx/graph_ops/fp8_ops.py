@@ -1,0 +1,297 @@
+"""The fp8 ops a rewritten graph calls: scale, quantize, scaled GEMM, and the GEMM's autograd Function.
+
+``passes/fp8_gemms.py`` turns a GEMM painted fp8 into one call of
+:func:`fp8_linear` (``x @ weight.t()``) or :func:`fp8_matmul` (``x @ other``).
+Inside, :class:`Fp8Matmul` runs the three GEMMs of a linear layer in fp8:
+
+- forward: ``output = q(x) @ q(w_t)`` (e4m3 operands, fast accumulation);
+- backward: ``grad_input = q(grad_out) @ q(w_t).t()`` and
+  ``grad_weight = q(grad_out).t() @ q(x)``, re-quantizing the saved
+  high-precision ``x`` and ``w_t`` (grad_output in e5m2 for the tensorwise
+  and delayed recipes, e4m3 for rowwise), without fast accumulation.
+
+The arithmetic is torchao's float8 training (0.18) step for step, so that a
+GEMM here is bit for bit ``convert_to_float8_training``'s on the same inputs:
+``scale = finfo(fp8).max / clamp(amax, min=1e-12)`` computed in float64 and
+rounded to float32 (power-of-two scales round it down); ``q(t) =
+saturate(t.float() * scale).to(fp8)``; ``torch._scaled_mm`` with the
+reciprocal scales; the same operand layouts; and with ``emulate=True`` an
+fp32 ``mm`` of the dequantized operands.  Gradients pass straight through the
+quantization.
+
+Recipes (``spec.recipe``):
+
+- ``"tensorwise"``: one scale per tensor, recomputed on every call (torchao's default);
+- ``"rowwise"``: one power-of-two scale per row of each GEMM operand (torchao's ``rowwise``);
+- ``"delayed"``: Transformer Engine's delayed scaling; each tensor is quantized with a
+  scale computed from the amax history of earlier calls, and then records its own amax.
+  History and scales are the tensors of an :class:`Fp8GemmState` (module buffers).
+
+Every call also writes into its :class:`Fp8GemmState` the scales it used and,
+when ``state.track`` is on (``amp_fx.find_overflow``), the fraction of values
+saturated at the format's max and flushed to zero.  This module imports only torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+from torch.fx import Proxy
+
+from amp_fx.errors import AmpNotImplementedError
+
+__all__ = ["Fp8Spec", "Fp8GemmState", "Fp8Matmul", "fp8_linear", "fp8_matmul", "amax_of", "amax_to_scale",
+           "quantize", "scaled_mm", "delayed_scale", "E4M3", "E5M2", "EPS", "ROLES"]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+EPS = 1e-12  # amax floor, so an all-zero tensor gets a finite scale (torchao's value)
+ROLES = ("input", "weight", "grad_output")  # the rows of an Fp8GemmState's tensors
+
+
+class Fp8Spec(NamedTuple):
+    """How one fp8 GEMM runs: the recipe and its options (a NamedTuple: fx prints it as a constant of the graph)."""
+
+    recipe: str = "tensorwise"  # tensorwise | rowwise | delayed
+    out_dtype: torch.dtype = torch.bfloat16  # the forward GEMM's result (the level's low dtype)
+    emulate: bool = False  # fp32 mm of the dequantized operands instead of torch._scaled_mm
+    amax_compute: str = "max"  # delayed: "max" of the history or its "most_recent" entry
+    margin: int = 0  # delayed: scale = fp8_max / amax / 2**margin
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """grad_output's fp8 format: e5m2 (range) except rowwise, which keeps e4m3 as torchao's rowwise does."""
+        return E4M3 if self.recipe == "rowwise" else E5M2
+
+    @property
+    def power_of_two(self) -> bool:
+        return self.recipe == "rowwise"
+
+
+class Fp8GemmState(nn.Module):
+    """One fp8 GEMM's state: scales, delayed scaling's amax history, saturation counts (rows: :data:`ROLES`).
+
+    ``scale`` holds the scale each operand was quantized with last (rowwise:
+    the smallest row's).  Under delayed scaling ``scale`` and ``amax_history``
+    are the recipe's state and persistent (in ``state_dict``); otherwise they
+    are records and not saved.  ``saturated`` / ``flushed``: the fraction of
+    the last call's values clamped at the format's max / rounded to zero
+    (nonzero before), written while ``track`` is True.  ``saturated_steps``
+    counts calls with any saturation (delayed scaling's stale scales show there).
+    """
+
+    def __init__(self, delayed: bool = False, history_len: int = 16):
+        super().__init__()
+        self.delayed = delayed
+        self.track = False
+        self.register_buffer("scale", torch.ones(3), persistent=delayed)
+        self.register_buffer("amax_history", torch.zeros(3, history_len if delayed else 1), persistent=delayed)
+        self.register_buffer("saturated", torch.zeros(3), persistent=False)
+        self.register_buffer("flushed", torch.zeros(3), persistent=False)
+        self.register_buffer("saturated_steps", torch.zeros(3, dtype=torch.int64), persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"delayed={self.delayed}, history_len={self.amax_history.shape[1]}"
+
+
+# --------------------------------------------------------------------------
+# Scales and quantization
+# --------------------------------------------------------------------------
+@torch.no_grad()
+def amax_of(tensor: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """``max(abs(tensor))``: of the whole tensor (0-dim) or along ``dim`` (kept as a size-1 dim)."""
+    if dim is None:
+        return torch.max(torch.abs(tensor))
+    return torch.amax(torch.abs(tensor), dim=dim, keepdim=True)
+
+
+@torch.no_grad()
+def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_two: bool = False) -> torch.Tensor:
+    """float32 ``finfo(dtype).max / max(amax, EPS)``, divided in float64 (eager and compiled agree)."""
+    scale = (torch.finfo(dtype).max / torch.clamp(amax.to(torch.float64), min=EPS)).to(torch.float32)
+    if power_of_two:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
+
+
+def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor * scale`` in float32, saturated to ``dtype``'s range, rounded to ``dtype`` (nearest even)."""
+    limit = torch.finfo(dtype).max
+    return (tensor.to(torch.float32) * scale).clamp(min=-limit, max=limit).to(dtype)
+
+
+def _row_major(tensor: torch.Tensor) -> bool:
+    stride = tensor.stride()
+    return stride[0] > stride[1] and stride[1] == 1
+
+
+def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
+              *, fast_accum: bool, emulate: bool) -> torch.Tensor:
+    """``(a / a_scale) @ (b / b_scale)`` of 2-D fp8 operands, in ``out_dtype``.
+
+    Scales are 0-dim (tensorwise), or ``(M, 1)`` and ``(1, N)`` (rowwise).
+    ``torch._scaled_mm`` wants ``a`` row-major and ``b`` column-major and
+    multiplies by the reciprocal scales; a rowwise GEMM without fast
+    accumulation runs the tensorwise kernel and scales its result after, and
+    one with a float32 or float16 result runs in bfloat16 (the rowwise kernel
+    makes no other), as torchao does.
+    """
+    if emulate:
+        return torch.mm(a.float() / a_scale, b.float() / b_scale).to(out_dtype)
+    if not _row_major(a):
+        a = a.contiguous()
+    if _row_major(b):
+        b = b.t().contiguous().t()
+    a_inverse, b_inverse = a_scale.reciprocal(), b_scale.reciprocal()
+    rowwise = a_scale.shape == (a.shape[0], 1) and b_scale.shape == (1, b.shape[1])
+    post_scale = None
+    if rowwise and not fast_accum:
+        post_scale = a_inverse * b_inverse
+        a_inverse = a_inverse.new_ones(())
+        b_inverse = a_inverse.new_ones(())
+    kernel_dtype = torch.bfloat16 if rowwise and out_dtype in (torch.float16, torch.float32) else out_dtype
+    out = torch._scaled_mm(a, b, scale_a=a_inverse, scale_b=b_inverse, out_dtype=kernel_dtype, use_fast_accum=fast_accum)
+    if post_scale is not None:
+        out *= post_scale
+    return out.to(out_dtype) if kernel_dtype != out_dtype else out
+
+
+# --------------------------------------------------------------------------
+# Delayed scaling and records
+# --------------------------------------------------------------------------
+@torch.no_grad()
+def delayed_scale(history: torch.Tensor, old_scale: torch.Tensor, dtype: torch.dtype, amax_compute: str,
+                  margin: int) -> torch.Tensor:
+    """Transformer Engine's scale from an amax history: ``fp8_max / amax / 2**margin``; an amax of 0 or inf keeps ``old_scale``."""
+    amax = history.max() if amax_compute == "max" else history[0]
+    scale = (torch.finfo(dtype).max / amax) / (2.0 ** margin)
+    return torch.where(torch.isfinite(amax) & (amax > 0), scale, old_scale)
+
+
+def _reduce_amax(amax: torch.Tensor) -> torch.Tensor:
+    """The max over ranks of a process group (every rank then computes the same scale); the amax itself without one."""
+    import torch.distributed as dist  # noqa: PLC0415 (lazy: most runs have no process group)
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        amax = amax.clone()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    return amax
+
+
+@torch.no_grad()
+def _record(state: Optional[Fp8GemmState], role: int, tensor: torch.Tensor, quantized: torch.Tensor,
+            scale: torch.Tensor, dtype: torch.dtype) -> None:
+    """Write the scale used and, while ``state.track``, the saturated and flushed fractions."""
+    if state is None:
+        return
+    if not state.delayed:
+        state.scale[role].copy_(scale.min())
+    if state.track:
+        limit = torch.finfo(dtype).max
+        scaled = tensor.to(torch.float32) * scale
+        count = max(tensor.numel(), 1)
+        saturated = (scaled.abs() > limit).sum() / count  # clamped: beyond the largest finite value
+        state.saturated[role].copy_(saturated)
+        state.flushed[role].copy_(((quantized.to(torch.float32) == 0) & (tensor != 0)).sum() / count)
+        state.saturated_steps[role] += (saturated > 0).to(torch.int64)
+
+
+@torch.no_grad()
+def _delayed_update(state: Fp8GemmState, role: int, tensor: torch.Tensor, spec: Fp8Spec, dtype: torch.dtype) -> None:
+    """Record ``tensor``'s amax (newest first) and compute the scale its next call uses."""
+    history = state.amax_history[role]
+    history.copy_(torch.roll(history, 1))
+    history[0] = _reduce_amax(amax_of(tensor).to(torch.float32))
+    state.scale[role].copy_(delayed_scale(history, state.scale[role], dtype, spec.amax_compute, spec.margin))
+
+
+def _quantize_as(tensor: torch.Tensor, role: int, dtype: torch.dtype, spec: Fp8Spec, state: Optional[Fp8GemmState],
+                 dim: Optional[int] = None, scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 tensor, its scale) of one GEMM operand under ``spec``'s recipe (``dim``: rowwise's reduced dim)."""
+    if scale is None:
+        if spec.recipe == "delayed":
+            scale = state.scale[role].clone()
+        else:
+            scale = amax_to_scale(amax_of(tensor, dim if spec.recipe == "rowwise" else None), dtype, spec.power_of_two)
+    quantized = quantize(tensor, scale, dtype)
+    _record(state, role, tensor, quantized, scale, dtype)
+    return quantized, scale
+
+
+# --------------------------------------------------------------------------
+# The GEMM
+# --------------------------------------------------------------------------
+class Fp8Matmul(torch.autograd.Function):
+    """``x @ w_t`` (``w_t``: K x N) as three fp8 GEMMs; gradients for ``x`` and ``w_t`` (module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w_t: torch.Tensor, spec: Fp8Spec, state: Optional[Fp8GemmState]) -> torch.Tensor:
+        ctx.save_for_backward(x, w_t)
+        ctx.spec, ctx.state = spec, state
+        x2 = x.reshape(-1, x.shape[-1])
+        x8, x_scale = _quantize_as(x2, 0, E4M3, spec, state, dim=-1)
+        w8, w_scale = _quantize_as(w_t, 1, E4M3, spec, state, dim=0)
+        if spec.recipe == "delayed":
+            ctx.scales = (x_scale, w_scale)
+            _delayed_update(state, 0, x2, spec, E4M3)
+            _delayed_update(state, 1, w_t, spec, E4M3)
+        out = scaled_mm(x8, x_scale, w8, w_scale, spec.out_dtype, fast_accum=True, emulate=spec.emulate)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
+        x, w_t = ctx.saved_tensors
+        spec, state = ctx.spec, ctx.state
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        delayed = spec.recipe == "delayed"
+        if delayed and torch.compiler.is_compiling():
+            # AOTAutograd would trace grad_output's history update into the backward graph as a write to a
+            # constant: the history would silently go stale.  Refused rather than wrong.
+            raise AmpNotImplementedError(
+                "fp8 recipe 'delayed' records grad_output's amax in the backward, which torch.compile cannot keep "
+                "in the module's buffers; train it eagerly, or compile with fp8='tensorwise' / 'rowwise'")
+        x_scale, w_scale = ctx.scales if delayed else (None, None)
+        # grad_input = grad_out @ w: rows of grad_out, rows of w_t (its columns once transposed)
+        g8, g_scale = _quantize_as(g2, 2, spec.grad_dtype, spec, state, dim=-1)
+        w8, w_scale = _quantize_as(w_t, 1, E4M3, spec, None, dim=-1, scale=w_scale)
+        grad_x = scaled_mm(g8, g_scale, w8.t(), w_scale.t(), _grad_dtype(x, grad_out), fast_accum=False,
+                           emulate=spec.emulate)
+        # grad_weight = grad_out.t() @ x: both scaled along the rows M they sum over
+        if not delayed:
+            g8, g_scale = _quantize_as(g2, 2, spec.grad_dtype, spec, None, dim=0)
+        x8, x_scale = _quantize_as(x2, 0, E4M3, spec, None, dim=0, scale=x_scale)
+        grad_w = scaled_mm(g8.t(), g_scale.t(), x8, x_scale, _grad_dtype(w_t, grad_out), fast_accum=False,
+                           emulate=spec.emulate)
+        if delayed:
+            _delayed_update(state, 2, g2, spec, spec.grad_dtype)
+        return grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1]), grad_w.t(), None, None
+
+
+def _grad_dtype(operand: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """A gradient's dtype: its operand's (an fp32 weight's gradient is computed in fp32), else grad_out's."""
+    return operand.dtype if operand.dtype in (torch.float32, torch.bfloat16, torch.float16) else grad_out.dtype
+
+
+def _proxy_call(fn: Any, args: tuple) -> Optional[Proxy]:
+    """Stay one node when fx re-traces the rewritten graph (unpickling, converting again)."""
+    proxy = next((a for a in args if isinstance(a, Proxy)), None)
+    return None if proxy is None else proxy.tracer.create_proxy("call_function", fn, args, {})
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, spec: Fp8Spec, state: Optional[Fp8GemmState] = None) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias: it is added after, in ``spec.out_dtype``) as fp8 GEMMs."""
+    traced = _proxy_call(fp8_linear, (x, weight, spec, state))
+    if traced is not None:
+        return traced
+    return Fp8Matmul.apply(x, weight.t(), spec, state)
+
+
+def fp8_matmul(x: torch.Tensor, other: torch.Tensor, spec: Fp8Spec, state: Optional[Fp8GemmState] = None) -> torch.Tensor:
+    """``x @ other`` with a 2-D ``other`` (K x N, a parameter) as fp8 GEMMs."""
+    traced = _proxy_call(fp8_matmul, (x, other, spec, state))
+    if traced is not None:
+        return traced
+    return Fp8Matmul.apply(x, other, spec, state)

@@ -1,0 +1,148 @@
+"""fp8 GEMMs: the option, the recipes, and the two predicates -- ``can_fp8`` (legal) and ``should_fp8`` (worth it).
+
+``convert(model, "O1", fp8=...)`` takes ``True`` (tensorwise), a recipe name,
+a dict of :class:`Fp8Config` fields or an :class:`Fp8Config`;
+:func:`parse_fp8` reads it.  A GEMM runs in fp8 when
+
+1. ``can_fp8`` -- it is legal: a ``linear``, or a ``matmul`` / ``mm`` /
+   ``addmm`` (``alpha = beta = 1``) whose second operand is a 2-D parameter; its K and N are static multiples of 16
+   (what fp8 tensor cores and ``torch._scaled_mm`` take); it is painted low
+   (a GEMM the level or a policy keeps fp32 is not fp8), with an activation of
+   at least 2 dims;
+2. ``should_fp8`` -- it is worth it: ``size_rule="auto"`` keeps GEMMs too small
+   to gain in the low dtype, by torchao's measured H100 thresholds for its
+   recipe (:data:`SIZE_RULES`); ``"all"`` takes every legal GEMM.
+
+A policy decides first: ``"fp8"`` for a module, type or op makes its legal
+GEMMs fp8 whatever their size (with ``fp8=None``, tensorwise); ``"low"``,
+``"fp32"``, ``"follow"`` or ``"promote"`` keeps them out of fp8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError
+
+__all__ = ["Fp8Config", "parse_fp8", "can_fp8", "should_fp8", "RECIPES", "AMAX_COMPUTE", "SIZE_RULES",
+           "ALIGNMENT", "FP8_OPS"]
+
+RECIPES = ("tensorwise", "rowwise", "delayed")
+AMAX_COMPUTE = ("max", "most_recent")
+ALIGNMENT = 16  # K and N of an fp8 GEMM: torch._scaled_mm's requirement
+FP8_OPS = ("linear", "matmul", "mm", "addmm")  # addmm: bias + x @ W, as Hugging Face's Conv1D computes
+
+
+def _tensorwise_worth_it(K: int, N: int) -> bool:
+    return not (K <= 4096 and N <= 1024)
+
+
+def _rowwise_worth_it(K: int, N: int) -> bool:
+    return N > 2048 and K > 1024 and not (N <= 4096 and K <= 2048)
+
+
+# Size rules of size_rule="auto", per recipe: torchao 0.18's auto-filters (float8_linear_utils.py), measured there
+# on H100s; below them a fp8 GEMM's quantization costs more than its faster GEMM gains.  Delayed scaling quantizes
+# as tensorwise does (it only computes no amax first), so it takes tensorwise's rule.
+SIZE_RULES = {
+    "tensorwise": ("K > 4096 or N > 1024", _tensorwise_worth_it),
+    "rowwise": ("N > 2048 and K > 1024 and (N > 4096 or K > 2048)", _rowwise_worth_it),
+    "delayed": ("K > 4096 or N > 1024", _tensorwise_worth_it),
+}
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """How eligible GEMMs run in fp8.
+
+    recipe: ``"tensorwise"`` (torchao's default: one scale per tensor, recomputed every call),
+        ``"rowwise"`` (a power-of-two scale per row; grad_output e4m3), ``"delayed"``
+        (Transformer Engine's: scales from an amax history kept in the module's buffers).
+    emulate: run each fp8 GEMM as an fp32 ``mm`` of the dequantized operands (torchao's ``emulate``).
+    size_rule: ``"auto"`` (skip GEMMs too small to gain, :data:`SIZE_RULES`) or ``"all"``.
+    history_len, amax_compute, margin: delayed scaling's amax history length, ``"max"`` or
+        ``"most_recent"`` of it, and ``scale = fp8_max / amax / 2**margin``.
+    """
+
+    recipe: str = "tensorwise"
+    emulate: bool = False
+    size_rule: str = "auto"
+    history_len: int = 16
+    amax_compute: str = "max"
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise AmpValueError(f"fp8 recipe {self.recipe!r} is unknown; use one of {RECIPES}")
+        if self.size_rule not in ("auto", "all"):
+            raise AmpValueError(f"fp8 size_rule must be 'auto' (skip GEMMs too small to gain) or 'all', "
+                                f"got {self.size_rule!r}")
+        if self.amax_compute not in AMAX_COMPUTE:
+            raise AmpValueError(f"fp8 amax_compute must be one of {AMAX_COMPUTE}, got {self.amax_compute!r}")
+        if not isinstance(self.history_len, int) or self.history_len < 1:
+            raise AmpValueError(f"fp8 history_len must be a positive int, got {self.history_len!r}")
+        if not isinstance(self.margin, int) or self.margin < 0:
+            raise AmpValueError(f"fp8 margin must be a non-negative int, got {self.margin!r}")
+        if not isinstance(self.emulate, bool):
+            raise AmpTypeError(f"fp8 emulate must be True or False, got {self.emulate!r}")
+
+    def describe(self) -> str:
+        """The recipe as the report names it."""
+        if self.recipe == "tensorwise":
+            return "tensorwise (e4m3 input/weight, e5m2 grad_output, scales every call)"
+        if self.recipe == "rowwise":
+            return "rowwise (e4m3, power-of-two scale per row)"
+        return (f"delayed (e4m3 input/weight, e5m2 grad_output, amax history {self.history_len}, "
+                f"{self.amax_compute}, margin {self.margin})")
+
+
+def parse_fp8(value: Union[None, bool, str, Mapping, Fp8Config]) -> Optional[Fp8Config]:
+    """The :class:`Fp8Config` that ``convert(fp8=value)`` asks for (None or False: no fp8 unless a policy asks)."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return Fp8Config()
+    if isinstance(value, Fp8Config):
+        return value
+    if isinstance(value, str):
+        return Fp8Config(recipe=value)
+    if isinstance(value, Mapping):
+        names = {f.name for f in dataclasses.fields(Fp8Config)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise AmpValueError(f"fp8 options {unknown} are unknown; Fp8Config takes {sorted(names)}")
+        return Fp8Config(**value)
+    raise AmpTypeError(f"fp8 takes True, a recipe name {RECIPES}, a dict of Fp8Config fields or an "
+                       f"{PACKAGE}.Fp8Config, got {type(value).__name__}")
+
+
+def can_fp8(op: Optional[str], *, decision: Optional[str], K: Any, N: Any, act_dims: Optional[int],
+            weight_is_param: bool, scaled: bool = False) -> tuple[bool, str]:
+    """Legality: (True, "") when the GEMM may run in fp8, else (False, why).  ``scaled``: addmm's alpha or beta is not 1."""
+    if op not in FP8_OPS:
+        return False, f"{op} is not an fp8 GEMM ({', '.join(FP8_OPS)})"
+    if scaled:
+        return False, "addmm with alpha or beta other than 1"
+    if decision != "low":
+        return False, f"runs {decision}, not low precision"
+    if not weight_is_param:
+        return False, "its weight operand is not a 2-D parameter"
+    if not isinstance(K, int) or not isinstance(N, int):
+        return False, "K or N not static"
+    if K % ALIGNMENT or N % ALIGNMENT:
+        return False, f"K={K} or N={N} not a multiple of {ALIGNMENT}"
+    if act_dims is not None and act_dims < 2:
+        return False, "1-D activation"
+    return True, ""
+
+
+def should_fp8(K: int, N: int, config: Fp8Config) -> tuple[bool, str]:
+    """Profitability: (True, "") when fp8 is worth it for a K x N weight under ``config``, else (False, why)."""
+    if config.size_rule == "all":
+        return True, ""
+    rule, worth_it = SIZE_RULES[config.recipe]
+    if worth_it(K, N):
+        return True, ""
+    return False, f"too small to gain (size_rule='auto' for {config.recipe} wants {rule})"

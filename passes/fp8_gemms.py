@@ -1,0 +1,221 @@
+"""Rewrite: eligible low GEMMs become scaled fp8 GEMMs (after the casts are final).
+
+fp8 is a decision like ``low``: a GEMM that may (``can_fp8``) and should
+(``should_fp8``) run in fp8 becomes one call of
+:func:`amp_fx.graph_ops.fp8_ops.fp8_linear` / ``fp8_matmul`` (e4m3 operands
+forward, grad_output e5m2 backward, per the recipe of
+:class:`amp_fx.ir.fp8_rules.Fp8Config`).  ``passes/paint_fp8.py`` has already
+painted a policy's ``"fp8"`` nodes low, so casts, their placement and the dtype
+analysis saw plain low GEMMs.  Here, for every ``linear`` /
+   ``matmul`` / ``mm`` / ``addmm`` the policy decides first (``"fp8"`` forces a legal GEMM,
+   any other decision keeps it out), then ``can_fp8`` and ``should_fp8``.  An fp8
+   GEMM reads its activation and weight in their own precision -- the casts to
+   the low dtype that ``insert_casts`` wrote for it are bypassed (and dropped
+   when nothing else reads them), so an fp32 weight is quantized from fp32, as
+   torchao quantizes it -- and returns the low dtype, so everything downstream
+   is as the analysis said.  A bias is added after it, in the low dtype
+   (torchao's ``output + bias.to(output.dtype)``).  Each fp8 GEMM owns an
+   :class:`~amp_fx.graph_ops.fp8_ops.Fp8GemmState` under ``amp_fx_fp8.<name>``
+   (the scales it used; delayed scaling's amax history, in ``state_dict``).
+
+The node keeps its name and gets decision ``"fp8"``; the stats list every
+GEMM with its decision and why (also as report lines), and the share of GEMM
+FLOPs that run in fp8.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import re
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from amp_fx.errors import AmpNotImplementedError
+from amp_fx.frontend.declared_precision import policy_target
+from amp_fx.graph_ops.fp8_ops import Fp8GemmState, Fp8Spec, fp8_linear, fp8_matmul
+from amp_fx.ir import meta, op_properties
+from amp_fx.ir.cast_nodes import cast_source, is_inserted_cast
+from amp_fx.ir.fp8_rules import Fp8Config, can_fp8, should_fp8
+from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
+from amp_fx.passes.pad_gemm import Gemm, find_gemm
+
+__all__ = ["fp8_gemms", "STATE_ROOT", "fp8_states"]
+
+logger = logging.getLogger(__name__)  # amp_fx.passes.fp8_gemms
+
+STATE_ROOT = "amp_fx_fp8"  # the submodule holding every fp8 GEMM's Fp8GemmState
+_DEFAULT = Fp8Config()  # the recipe a policy's "fp8" uses when convert() was given no fp8=
+
+
+def fp8_states(module: nn.Module) -> dict[str, Fp8GemmState]:
+    """Each fp8 GEMM's state in a converted module, by name (empty when none)."""
+    root = getattr(module, STATE_ROOT, None)
+    return dict(root.named_children()) if isinstance(root, nn.Module) else {}
+
+
+# --------------------------------------------------------------------------
+# The rewrite
+# --------------------------------------------------------------------------
+def _high_precision(value: Any) -> Any:
+    """The value an fp8 GEMM quantizes: the source of a cast ``insert_casts`` wrote for it, else the value."""
+    if isinstance(value, fx.Node) and is_inserted_cast(value) and cast_source(value) is not None:
+        return cast_source(value)
+    return value
+
+
+def _is_weight(value: Any) -> bool:
+    """A 2-D parameter (or buffer), possibly through its inserted cast."""
+    source = _high_precision(value)
+    shape = meta.shape(value)
+    return isinstance(source, fx.Node) and meta.PARAM.get(source) is not None and shape is not None and len(shape) == 2
+
+
+def _policy_decision(node: fx.Node, ctx: PassContext) -> Optional[Any]:
+    return ctx.policy.decide(meta.OP.get(node), policy_target(node), meta.MODULE_STACK.get(node) or [])
+
+
+def _decide(gemm: Gemm, ctx: PassContext) -> tuple[Optional[Fp8Config], str]:
+    """(the recipe, why) for an fp8 GEMM; (None, why not) otherwise.  The policy first, then legality, then size."""
+    node = gemm.node
+    rule = _policy_decision(node, ctx)
+    act_shape = meta.shape(gemm.act)
+    scaled = gemm.op == "addmm" and any(node.kwargs.get(k, 1) != 1 for k in ("alpha", "beta"))
+    legal, why = can_fp8(gemm.op, decision=meta.DECISION.get(node), K=gemm.K, N=gemm.N,
+                         act_dims=None if act_shape is None else len(act_shape), weight_is_param=_is_weight(gemm.weight),
+                         scaled=scaled or len(node.args) > 3)
+    if rule is not None and rule.decision == "fp8":
+        return (ctx.config.fp8 or _DEFAULT, rule.describe()) if legal else (None, f"{rule.describe()}, but {why}")
+    if rule is not None:
+        return None, f"{rule.describe()} keeps it out of fp8"
+    if ctx.config.fp8 is None:
+        return None, "fp8 not asked for"
+    if not legal:
+        return None, why
+    worth_it, why_not = should_fp8(gemm.K, gemm.N, ctx.config.fp8)
+    return (ctx.config.fp8, f"K={gemm.K} N={gemm.N} eligible") if worth_it else (None, why_not)
+
+
+def _state_name(node: fx.Node, taken: set) -> str:
+    base = re.sub(r"\W", "_", meta.MODULE_PATH.get(node) or node.name) or node.name
+    name, i = base, 1
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    taken.add(name)
+    return name
+
+
+def _annotate(node: fx.Node, like: fx.Node, op: str, reason: str, **value: Any) -> None:
+    meta.inherit(node, like, float_dtype=value.pop("float_dtype", None), shape=value.pop("shape", None))
+    node.meta.update({meta.OP: op, meta.DECISION: value.pop("decision", "follow"), meta.REASON: reason,
+                      meta.INSERTED: True, meta.RULE: "inserted"})
+    if value:
+        meta.note_value(node, **value)
+
+
+def _add_state(gm: fx.GraphModule, gemm: Gemm, config: Fp8Config, taken: set) -> tuple[str, fx.Node]:
+    """Give ``gemm`` an :class:`Fp8GemmState` under ``amp_fx_fp8.<name>`` and a node that reads it."""
+    node = gemm.node
+    root = getattr(gm, STATE_ROOT, None)
+    if root is None:
+        root = nn.Module()
+        gm.add_module(STATE_ROOT, root)
+    name = _state_name(node, taken)
+    weight = _high_precision(gemm.weight)
+    state = Fp8GemmState(delayed=config.recipe == "delayed", history_len=config.history_len)
+    device = getattr(meta.example_value(weight), "device", None) or _param_device(gm, weight)
+    root.add_module(name, state.to(device) if device is not None else state)
+    with node.graph.inserting_before(node):
+        state_node = node.graph.get_attr(f"{STATE_ROOT}.{name}")
+    _annotate(state_node, node, "fp8_state", f"inserted: fp8 state of {node.name} (scales, amax history)",
+              decision="none", is_tensor=False, is_float=False)
+    return name, state_node
+
+
+def _rewrite(gm: fx.GraphModule, gemm: Gemm, config: Fp8Config, why: str, ctx: PassContext, taken: set) -> Optional[str]:
+    """Make ``gemm`` an fp8 GEMM in place; return its state's name (None under Dynamo: a graph there holds no state)."""
+    node, graph = gemm.node, gemm.node.graph
+    weight = _high_precision(gemm.weight)
+    if ctx.route == "dynamo":
+        # Dynamo hands over parameters and buffers as graph inputs: a buffer added here would be no input of its.
+        if config.recipe == "delayed":
+            raise AmpNotImplementedError(
+                "fp8 recipe 'delayed' keeps its amax history in module buffers, which a torch.compile backend cannot "
+                "add to the model. Convert first and compile the result: torch.compile(amp_fx.convert(model, fp8="
+                "'delayed'), backend='aot_eager' or 'inductor'); or use fp8='tensorwise' / 'rowwise' here.")
+        name, state_node = None, None
+    else:
+        name, state_node = _add_state(gm, gemm, config, taken)
+    spec = Fp8Spec(config.recipe, meta.LOW_DTYPE.get(node) or ctx.low, config.emulate, config.amax_compute, config.margin)
+    operands = [gemm.act, gemm.weight]
+    node.target = fp8_linear if gemm.op == "linear" else fp8_matmul
+    node.args, node.kwargs = (_high_precision(gemm.act), weight, spec, state_node), {}
+    meta.OP.set(node, node.target.__name__)
+    meta.DECISION.set(node, "fp8")
+    meta.RULE.set(node, "fp8")
+    meta.REASON.set(node, f"fp8 {config.describe()}: {why}")
+    if gemm.bias is not None:
+        with graph.inserting_after(node):
+            biased = graph.call_function(operator.add, (node, gemm.bias))
+        _annotate(biased, node, "add", f"inserted: bias of fp8 GEMM {node.name}, added in the low dtype",
+                  float_dtype=meta.float_dtype(node), shape=meta.shape(node))
+        node.replace_all_uses_with(biased, delete_user_cb=lambda user: user is not biased)
+    for value in operands:  # a cast no one reads now
+        if isinstance(value, fx.Node) and is_inserted_cast(value) and not value.users:
+            graph.erase_node(value)
+    return name
+
+
+def _param_device(gm: fx.GraphModule, node: fx.Node) -> Optional[torch.device]:
+    """The device of the parameter or buffer a ``get_attr`` node reads (None for anything else)."""
+    if node.op != "get_attr":
+        return None
+    for lookup in (gm.get_parameter, gm.get_buffer):
+        try:
+            return lookup(str(node.target)).device
+        except AttributeError:
+            continue
+    return None
+
+
+def _flops(gemm: Gemm) -> Optional[int]:
+    return None if gemm.M is None or gemm.K is None or gemm.N is None else 2 * gemm.M * gemm.K * gemm.N
+
+
+@amp_pass(kind="rewrite", requires=("meta", "paint"))
+def fp8_gemms(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Rewrite each low GEMM the policy, ``can_fp8`` and ``should_fp8`` choose into a scaled fp8 GEMM."""
+    gemms, lines, taken = [], [], set(fp8_states(gm))
+    total_flops = fp8_flops = 0
+    for node in list(gm.graph.nodes):
+        gemm = find_gemm(node)
+        if gemm is None:
+            continue
+        flops = _flops(gemm)
+        total_flops += flops or 0
+        if not op_properties.of(gemm.op).fp8:
+            continue
+        config, why = _decide(gemm, ctx)
+        state = _rewrite(gm, gemm, config, why, ctx, taken) if config is not None else None
+        if config is not None:
+            fp8_flops += flops or 0
+            logger.debug("fp8 %s (%s): %s", node.name, config.recipe, why)
+        where = f" ({meta.MODULE_PATH.get(node)})" if meta.MODULE_PATH.get(node) else ""
+        rows = "?" if gemm.M is None else gemm.M
+        head = f"{gemm.op} {node.name}{where}: M={rows} K={gemm.K} N={gemm.N}"
+        lines.append(f"{head} -> fp8 {config.recipe} ({why})" if config else f"{head} kept {str(ctx.low).replace('torch.', '')} ({why})")
+        gemms.append({"node": node.name, "op": gemm.op, "module": meta.MODULE_PATH.get(node, ""), "M": gemm.M,
+                      "K": gemm.K, "N": gemm.N, "flops": flops, "fp8": config is not None,
+                      "recipe": config.recipe if config else None, "why": why, "state": state})
+    count = sum(1 for g in gemms if g["fp8"])
+    if not count and ctx.config.fp8 is None:
+        lines = []  # a conversion that asked for no fp8 carries no fp8 lines
+    share = fp8_flops / total_flops if total_flops else None
+    if count and share is not None:
+        lines.append(f"{count} fp8 GEMMs, {share:.1%} of GEMM FLOPs")
+    stats = {"gemms": gemms, "fp8": count, "fp8_flops": fp8_flops, "gemm_flops": total_flops,
+             "fp8_flop_share": share, "report_lines": lines}
+    return PassResult(gm, count > 0, stats)
