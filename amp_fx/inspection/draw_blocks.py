@@ -43,13 +43,13 @@ class Block:
 
     def modules(self) -> list[str]:
         """The module paths of the block's nodes, in order of first appearance ("(top level)" for none)."""
-        return list(dict.fromkeys(meta.MODULE_PATH.get(n) or "(top level)" for n in self.nodes if n.op != "get_attr"))
+        return list(dict.fromkeys(_module_of(n) for n in self.nodes if n.op != "get_attr"))
 
     @property
     def title(self) -> str:
         if self.key is not None:
             return self.key
-        counts = Counter(meta.MODULE_PATH.get(n) or "(top level)" for n in self.nodes if n.op != "get_attr")
+        counts = Counter(_module_of(n) for n in self.nodes if n.op != "get_attr")
         if not counts:
             return "(parameters)"
         main = max(counts, key=counts.get)  # the module most of the glue belongs to names it
@@ -61,6 +61,14 @@ class Block:
 
 
 Item = Union[fx.Node, Block]
+
+# torch.export names code outside any module this way in its module stacks: it is top-level code.
+_EXPORT_TOP_LEVEL = "_empty_nn_module_stack_from_metadata_hook"
+
+
+def _module_of(node: fx.Node) -> str:
+    path = meta.MODULE_PATH.get(node) or ""
+    return "(top level)" if not path or path.startswith(_EXPORT_TOP_LEVEL) else path
 
 
 def _prefix(node: fx.Node, depth: int) -> Optional[str]:

@@ -36,7 +36,45 @@ from amp_fx.converter.api import convert
 from amp_fx.errors import AmpTypeError, AmpValueError
 from amp_fx.runtime import LossScaler, MasterWeightOptimizer
 
-__all__ = ["prepare"]
+__all__ = ["prepare", "AcceleratedLossScaler"]
+
+
+class AcceleratedLossScaler(LossScaler):
+    """A :class:`amp_fx.LossScaler` that follows ``accelerator.accumulate()``: nothing happens between syncs.
+
+    Inside ``with accelerator.accumulate(model):`` Accelerate's optimizer skips ``step()`` and
+    ``zero_grad()`` on the micro-batches that only accumulate (``accelerator.sync_gradients`` is
+    False).  A plain scaler would still unscale the low gradients there, in place, so the next
+    micro-batch adds scaled gradients to unscaled ones (fp16), and at O2 copy a partial sum into
+    the masters; its scale would also advance once per micro-batch.  This one does nothing on
+    those micro-batches (``step`` returns False: no step was taken) and acts on the sync one.
+    """
+
+    def __init__(self, accelerator: "accelerate.Accelerator", **options: Any) -> None:
+        super().__init__(**options)
+        self._accelerator = accelerator
+
+    def _accumulating(self) -> bool:
+        return not self._accelerator.sync_gradients
+
+    def unscale_(self, optimizer: Any) -> None:
+        if not self._accumulating():
+            super().unscale_(optimizer)
+
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> bool:
+        return False if self._accumulating() else super().step(optimizer, *args, **kwargs)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        if not self._accumulating():
+            super().update(*args, **kwargs)
+
+    @classmethod
+    def adopt(cls, scaler: LossScaler, accelerator: "accelerate.Accelerator") -> "AcceleratedLossScaler":
+        """``scaler``'s options and state in an AcceleratedLossScaler (the one to use from then on)."""
+        adopted = cls.__new__(cls)
+        adopted.__dict__.update(scaler.__dict__)
+        adopted._accelerator = accelerator
+        return adopted
 
 
 
@@ -51,7 +89,10 @@ def prepare(accelerator: "accelerate.Accelerator", model: nn.Module, optimizer: 
         *others: anything else to pass through ``accelerator.prepare`` (data loaders, schedulers).
         level, dtype, **convert_options: as :func:`amp_fx.convert` (dtype None: fp16 on CUDA, bf16 otherwise,
             read from ``accelerator.device``).
-        scaler: a :class:`amp_fx.LossScaler`; default ``LossScaler(dtype=dtype, level=level)``.
+        scaler: a :class:`amp_fx.LossScaler` whose options and state to start from; default
+            ``LossScaler(dtype=dtype, level=level)``.  The scaler returned is an
+            :class:`AcceleratedLossScaler`: it does nothing on the micro-batches ``accelerator.accumulate()``
+            only accumulates, as Accelerate's optimizer does.
 
     Returns ``(model, optimizer, scaler, *others)``, the first two as Accelerate prepared them.
     """
@@ -61,7 +102,10 @@ def prepare(accelerator: "accelerate.Accelerator", model: nn.Module, optimizer: 
         raise AmpValueError(
             f"prepare(): this Accelerator has mixed_precision={accelerator.mixed_precision!r}, so Accelerate would run "
             "the converted model under torch.autocast and scale the loss with its own GradScaler, on top of amp_fx's "
-            "casts and LossScaler. Build it as Accelerator() (mixed_precision='no'); amp_fx's level replaces the setting.")
+            "casts and LossScaler. Build it as Accelerator() (mixed_precision='no'); amp_fx's level replaces the setting. "
+            "(Accelerate keeps one state per process: an earlier Accelerator(mixed_precision=...) in this process "
+            "sets it for every later one; start a fresh process, or call "
+            "accelerate.state.AcceleratorState._reset_state(True) before building the new Accelerator.)")
     if scaler is not None and not isinstance(scaler, LossScaler):
         raise AmpTypeError(f"prepare(scaler=...) takes an amp_fx.LossScaler, got {type(scaler).__name__}")
     if dtype is None:
@@ -70,7 +114,9 @@ def prepare(accelerator: "accelerate.Accelerator", model: nn.Module, optimizer: 
     if converted.amp_config.master_weights:
         optimizer = MasterWeightOptimizer(optimizer, converted)
     if scaler is None:
-        scaler = LossScaler(dtype=converted.amp_config.dtype, level=level)
+        scaler = AcceleratedLossScaler(accelerator, dtype=converted.amp_config.dtype, level=level)
+    elif not isinstance(scaler, AcceleratedLossScaler):
+        scaler = AcceleratedLossScaler.adopt(scaler, accelerator)  # the returned one follows accelerator.accumulate()
     prepared_model, prepared_opt, *prepared = accelerator.prepare(converted, optimizer, *others)
     if isinstance(optimizer, MasterWeightOptimizer) and prepared_opt is not optimizer:
         # LossScaler finds the masters through AcceleratedOptimizer.optimizer; the user clips them by this name.

@@ -103,6 +103,13 @@ class AmpFxTrainer(transformers.Trainer):
             raise AmpValueError(
                 "AmpFxTrainer got TrainingArguments(bf16=True or fp16=True): the Trainer would run the converted "
                 "model under torch.autocast too. Leave bf16/fp16 False; amp_level= replaces them.")
+        if amp_level not in _BACKEND_LEVELS and self.args.gradient_checkpointing:
+            raise AmpValueError(
+                f"AmpFxTrainer(amp_level={amp_level!r}) with TrainingArguments(gradient_checkpointing=True): the "
+                "Trainer then makes transformers register a forward hook on the input embeddings "
+                "(enable_input_require_grads), which the torch.export route that converts the model at O2 cannot "
+                "keep. Use amp_level='O1' (torch.compile keeps checkpointing and the hook), or "
+                "gradient_checkpointing=False.")
         if self.args.torch_compile:
             raise AmpValueError(
                 "AmpFxTrainer got TrainingArguments(torch_compile=True): the Trainer would compile the model a second "

@@ -39,6 +39,38 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.flo
            "half": torch.float16, torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}
 
 
+def _refuse_ties_across(module: nn.Module, targets: list[str], level: str) -> None:
+    """Refuse a parameter shared by two converted submodules, or by one and the rest of the LightningModule.
+
+    At O2/O3 each conversion gets its own low copy of a parameter: converted apart, a tied weight would
+    become two tensors, each trained on one path's gradient (measured: a 101% wrong O2 step).
+    """
+    holders: dict[int, list[str]] = {}
+    inside: set[int] = set()
+    for name in targets:
+        for _, param in module.get_submodule(name).named_parameters(remove_duplicate=False):
+            places = holders.setdefault(id(param), [])
+            if name not in places:
+                places.append(name)
+            inside.add(id(param))
+    for path, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in inside and not any(path == t or path.startswith(t + ".") for t in targets):
+            holders[id(param)].append(f"{path} (not converted)")
+    shared = next((places for places in holders.values() if len(places) > 1), None)
+    if shared:
+        raise AmpValueError(
+            f"AmpFxPrecision({level!r}): a parameter is shared by {shared[0]!r} and {shared[1]!r} (a tied weight). "
+            f"Each submodule is converted on its own, and at {level} each conversion keeps its own low-precision "
+            "copy, so the tie would break and neither copy would get the whole gradient. Put the modules that "
+            "share it in one module with its own forward (self.model = YourModel(...)), which the plugin then "
+            "converts whole, or use O1 (fp32 parameters, the tie kept).")
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    """The optimizer behind Lightning's ``LightningOptimizer`` (the scaler keeps its state per optimizer object)."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
 class _ParamSet(nn.Module):
     """The low parameters one optimizer steps, under names without dots, for its MasterWeightOptimizer.
 
@@ -92,7 +124,10 @@ class AmpFxPrecision(Precision):
     # ------------------------------------------------------------ conversion
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Convert the LightningModule's submodules in place (the LightningModule object stays the same)."""
-        for name in self._targets(module):
+        targets = self._targets(module)
+        if self.level in ("O2", "O3"):
+            _refuse_ties_across(module, targets, self.level)
+        for name in targets:
             child = module.get_submodule(name)
             if not isinstance(child, AmpGraphModule):  # fit() called again: converted the first time
                 options = {**self.convert_options, **self.module_options.get(name, {})}
@@ -168,15 +203,29 @@ class AmpFxPrecision(Precision):
                                "were checked and unscaled; use another optimizer with mixed precision.")
         closure_result = closure()
         skipped_backward = closure_result is None and model.automatic_optimization  # training_step returned None
-        if not skipped_backward:
+        if not skipped_backward and not self.scaler.is_unscaled(_unwrapped(optimizer)):
             # Unscaling also copies O2's gradients into the fp32 masters, which Lightning then clips.
-            self.scaler.unscale_(optimizer)
+            self.scaler.unscale_(_unwrapped(optimizer))
         self._after_closure(model, optimizer)
         if skipped_backward:
             return closure_result
-        self.scaler.step(optimizer, **kwargs)  # False: inf/NaN gradients, the step was skipped
+        self.scaler.step(_unwrapped(optimizer), **kwargs)  # False: inf/NaN gradients, the step was skipped
         self.scaler.update()
         return closure_result
+
+    def clip_gradients(self, optimizer: Any, clip_val: Union[int, float] = 0.0,
+                       gradient_clip_algorithm: Any = None) -> None:
+        """Unscale first (at O2: copy the gradients into the fp32 masters), then clip what the step will use.
+
+        Under automatic optimization the gradients are unscaled before Lightning clips; under manual
+        optimization ``self.clip_gradients(opt, ...)`` comes before ``opt.step()``, so it unscales here,
+        once per step. Without that, O2 clipped master gradients the next unscale then overwrote.
+        """
+        if clip_val and clip_val > 0 and not self.scaler.is_unscaled(_unwrapped(optimizer)):
+            self.scaler.unscale_(_unwrapped(optimizer))
+        if gradient_clip_algorithm is None:
+            return super().clip_gradients(optimizer, clip_val)
+        return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

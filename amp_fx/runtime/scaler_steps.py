@@ -115,6 +115,11 @@ class ScalerStepsMixin:
                 found[dev] = found[dev] + flag if dev in found else flag
         state.update(stage=_Stage.UNSCALED, found_inf=found, found=None)
 
+    def is_unscaled(self, optimizer: Any) -> bool:
+        """Whether :meth:`unscale_` ran on ``optimizer`` since the last :meth:`update` (a framework that may
+        clip before the step, as Lightning's manual optimization does, asks before unscaling itself)."""
+        return self._state(optimizer)["stage"] is _Stage.UNSCALED
+
     def _require_scaled(self, what: str) -> None:
         if not self._scaled_since_update:
             raise AmpRuntimeError(

@@ -444,3 +444,17 @@ def test_constructor_validation():
         LossScaler(init_scale=2.0**30)
     with pytest.raises(ValueError, match="dtype"):
         LossScaler(dtype=torch.int8)
+
+
+def test_is_unscaled_tells_whether_unscale_ran_since_the_last_update():
+    """What a framework asks before unscaling for a clip it may or may not own (Lightning manual optimization)."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler(dtype=torch.float16, init_scale=2.0**4)
+    scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+    assert not scaler.is_unscaled(opt)
+    scaler.unscale_(opt)
+    assert scaler.is_unscaled(opt)
+    scaler.step(opt)
+    scaler.update()
+    assert not scaler.is_unscaled(opt)
