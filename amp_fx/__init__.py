@@ -41,6 +41,7 @@ _LAZY = {
     # fp8 GEMMs (docs/fp8.md): the recipe, and each fp8 GEMM's scales and amax history
     "Fp8Config": ".ir.fp8_rules",
     "fp8_states": ".passes.fp8_gemms",
+    "fp8_sync": ".passes.fp8_gemms",
     "fp8_report": ".inspection.fp8_view",
     "track_fp8": ".inspection.fp8_view",
     # cache_casts=True: drop cached weight casts after a write through p.data

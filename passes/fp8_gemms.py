@@ -34,16 +34,16 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from amp_fx.errors import AmpNotImplementedError
+from amp_fx.errors import AmpNotImplementedError, AmpTypeError, AmpValueError
 from amp_fx.frontend.declared_precision import policy_target
-from amp_fx.graph_ops.fp8_ops import Fp8GemmState, Fp8Spec, fp8_linear, fp8_matmul
+from amp_fx.graph_ops.fp8_ops import Fp8GemmState, Fp8Group, Fp8Spec, fp8_linear, fp8_matmul
 from amp_fx.ir import meta, op_properties
 from amp_fx.ir.cast_nodes import cast_source, is_inserted_cast
 from amp_fx.ir.fp8_rules import Fp8Config, can_fp8, should_fp8
 from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
 from amp_fx.passes.pad_gemm import Gemm, find_gemm
 
-__all__ = ["fp8_gemms", "STATE_ROOT", "fp8_states"]
+__all__ = ["fp8_gemms", "STATE_ROOT", "fp8_states", "fp8_group", "fp8_sync"]
 
 logger = logging.getLogger(__name__)  # amp_fx.passes.fp8_gemms
 
@@ -55,6 +55,52 @@ def fp8_states(module: nn.Module) -> dict[str, Fp8GemmState]:
     """Each fp8 GEMM's state in a converted module, by name (empty when none)."""
     root = getattr(module, STATE_ROOT, None)
     return dict(root.named_children()) if isinstance(root, nn.Module) else {}
+
+
+def fp8_group(module: nn.Module) -> Optional[Fp8Group]:
+    """The :class:`Fp8Group` of a converted module's fp8 GEMMs (None when it has none)."""
+    root = getattr(module, STATE_ROOT, None)
+    return getattr(root, "group", None) if isinstance(root, nn.Module) else None
+
+
+class _StepSync:
+    """The handle ``fp8_sync(gm, optimizer)`` returns: ``remove()`` drops the hook and syncs at the next forward again."""
+
+    def __init__(self, group: Fp8Group, hook: Any):
+        self.group, self.hook = group, hook
+
+    def remove(self) -> None:
+        self.hook.remove()
+        self.group.on_step = False
+
+
+def fp8_sync(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
+    """Update delayed scaling's amax histories and scales now: one ``all_reduce`` over every fp8 GEMM of ``module``.
+
+    Without ``optimizer``: syncs now and returns whether it communicated
+    (False without a process group of more than one rank).  Every rank must
+    call it at the same point.  Call it before reading or saving the state
+    under ``torch.distributed`` (between a backward and the next forward the
+    newest history entries are still each rank's own).
+
+    With ``optimizer``: syncs after every ``optimizer.step()`` instead of at
+    the next forward, so the micro-batches of a gradient-accumulation step
+    share one set of scales and one all_reduce per step; alone, too, the
+    scales then change once per optimizer step.  Returns a handle whose
+    ``remove()`` goes back to syncing at the next forward.
+    """
+    group = fp8_group(module)
+    if group is None:
+        raise AmpValueError(f"{type(module).__name__} has no fp8 GEMMs: fp8_sync takes what "
+                            "amp_fx.convert(model, fp8='delayed') returned")
+    if optimizer is None:
+        return group.sync()
+    if not callable(getattr(optimizer, "register_step_post_hook", None)):
+        raise AmpTypeError(f"fp8_sync(module, optimizer) needs a torch.optim.Optimizer (it hooks its step), got "
+                           f"{type(optimizer).__name__}; or call amp_fx.fp8_sync(module) after each step yourself")
+    group.sync()  # what the last forward recorded, before the hook takes over
+    group.on_step = True
+    return _StepSync(group, optimizer.register_step_post_hook(lambda *_: group.sync()))
 
 
 # --------------------------------------------------------------------------
@@ -123,9 +169,13 @@ def _add_state(gm: fx.GraphModule, gemm: Gemm, config: Fp8Config, taken: set) ->
     if root is None:
         root = nn.Module()
         gm.add_module(STATE_ROOT, root)
+    if getattr(root, "group", None) is None:
+        root.group = Fp8Group()  # a plain attribute: the GEMMs' shared history update, no state of its own
     name = _state_name(node, taken)
     weight = _high_precision(gemm.weight)
     state = Fp8GemmState(delayed=config.recipe == "delayed", history_len=config.history_len)
+    state.group = root.group
+    root.group.states.append(state)
     device = getattr(meta.example_value(weight), "device", None) or _param_device(gm, weight)
     root.add_module(name, state.to(device) if device is not None else state)
     with node.graph.inserting_before(node):

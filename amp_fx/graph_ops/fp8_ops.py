@@ -28,8 +28,20 @@ Recipes (``spec.recipe``):
   History and scales are the tensors of an :class:`Fp8GemmState` (module buffers).
 
 Every call also writes into its :class:`Fp8GemmState` the scales it used and,
-when ``state.track`` is on (``amp_fx.find_overflow``), the fraction of values
-saturated at the format's max and flushed to zero.  This module imports only torch.
+when ``state.track`` is on (``amp_fx.find_overflow``, ``amp_fx.fp8_report``), the
+fraction of values saturated at the format's max and flushed to zero.
+
+Delayed scaling's history is updated in one of two ways (:class:`Fp8Group`
+decides).  Alone (no process group, no step hook) every call records its amax
+and computes the next scale at once.  Under ``torch.distributed`` (or after
+``amp_fx.fp8_sync(gm, optimizer)``) a call only folds its *local* amax into the
+step's pending amax (``Fp8GemmState.pending_amax``, the max over the step's
+calls; no buffer, so DDP's buffer broadcast leaves it alone) and keeps the
+scale; :meth:`Fp8Group.sync` then max-reduces every GEMM's pending amaxes in
+one ``all_reduce`` of one flattened tensor, pushes them into the histories
+(one entry per step) and recomputes every scale -- once per step: at the first
+fp8 GEMM of the forward after a backward, or at the optimizer step.
+This module imports only torch.
 """
 
 from __future__ import annotations
@@ -42,7 +54,7 @@ from torch.fx import Proxy
 
 from amp_fx.errors import AmpNotImplementedError
 
-__all__ = ["Fp8Spec", "Fp8GemmState", "Fp8Matmul", "fp8_linear", "fp8_matmul", "amax_of", "amax_to_scale",
+__all__ = ["Fp8Spec", "Fp8GemmState", "Fp8Group", "Fp8Matmul", "fp8_linear", "fp8_matmul", "amax_of", "amax_to_scale",
            "quantize", "scaled_mm", "delayed_scale", "E4M3", "E5M2", "EPS", "ROLES"]
 
 E4M3 = torch.float8_e4m3fn
@@ -91,6 +103,15 @@ class Fp8GemmState(nn.Module):
         self.register_buffer("saturated", torch.zeros(3), persistent=False)
         self.register_buffer("flushed", torch.zeros(3), persistent=False)
         self.register_buffer("saturated_steps", torch.zeros(3, dtype=torch.int64), persistent=False)
+        # The scale each operand's last call was quantized with (delayed: ``scale`` is already the next call's).
+        self.register_buffer("used_scale", torch.ones(3), persistent=False)
+        # While tracked: the local amax of the last call, and how many calls quantized each operand.
+        self.register_buffer("amax", torch.zeros(3), persistent=False)
+        self.register_buffer("calls", torch.zeros(3, dtype=torch.int64), persistent=False)
+        self.group: Optional[Fp8Group] = None  # the module's GEMMs that share one history update (fp8_gemms sets it)
+        # Deferred updates: this step's local amax per operand, -1 where none yet (a plain tensor, not a buffer).
+        self.pending_amax: Optional[torch.Tensor] = None
+        self.spec: Optional[Fp8Spec] = None  # the recipe of the last call (the group's sync needs its margin)
 
     def extra_repr(self) -> str:
         return f"delayed={self.delayed}, history_len={self.amax_history.shape[1]}"
@@ -170,22 +191,93 @@ def delayed_scale(history: torch.Tensor, old_scale: torch.Tensor, dtype: torch.d
     return torch.where(torch.isfinite(amax) & (amax > 0), scale, old_scale)
 
 
-def _reduce_amax(amax: torch.Tensor) -> torch.Tensor:
-    """The max over ranks of a process group (every rank then computes the same scale); the amax itself without one."""
+def _world_size() -> int:
+    """The default process group's size; 1 without one."""
     import torch.distributed as dist  # noqa: PLC0415 (lazy: most runs have no process group)
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        amax = amax.clone()
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
-    return amax
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class Fp8Group:
+    """The delayed-scaling GEMMs of one converted module, whose histories are updated (and reduced) together.
+
+    A plain object every :class:`Fp8GemmState` of the module points to (not a
+    module: it is no state of its own).  ``deferred()``: calls record local
+    amaxes and leave the scales to :meth:`sync` -- under a process group of
+    more than one rank, or once ``on_step`` (a step hook calls :meth:`sync`).
+    ``paused``: a diagnosis run (``find_overflow``, ``fp8_report``) that must
+    start no collective.
+    """
+
+    def __init__(self) -> None:
+        self.states: list[Fp8GemmState] = []
+        self.pending = False  # local amaxes recorded since the last sync
+        self.stepped = False  # a backward recorded grad_output amaxes since: the next forward is a new step
+        self.on_step = False  # amp_fx.fp8_sync(gm, optimizer): sync at the optimizer step, not the next forward
+        self.paused = False
+        self.syncs = 0  # how many syncs reduced across ranks (one all_reduce each)
+
+    def deferred(self) -> bool:
+        return self.on_step or _world_size() > 1
+
+    def before_forward(self) -> None:
+        """The lazy sync point: the first fp8 GEMM of a forward after a backward reduces that step's amaxes."""
+        if self.stepped and not self.on_step and not self.paused:
+            self.sync()
+
+    @torch.no_grad()
+    def sync(self) -> bool:
+        """Max-reduce the step's pending amaxes across ranks (one all_reduce), push them into the histories, rescale.
+
+        Every delayed GEMM contributes its 3 pending amaxes (-1 for an operand
+        no call quantized: it gets no history entry), so the flattened tensor
+        has the same length on every rank.  Every rank must call it at the
+        same point (as it calls the forward); returns whether it communicated.
+        """
+        states = [s for s in self.states if s.delayed]  # all of them: the same length on every rank
+        communicated = False
+        if states:
+            flat = torch.cat([_pending(s) for s in states])
+            if _world_size() > 1:
+                import torch.distributed as dist  # noqa: PLC0415
+
+                dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+                communicated = True
+                self.syncs += 1
+            for i, s in enumerate(states):
+                if s.spec is None:
+                    continue  # never called here: no recipe options to compute a scale with
+                for role, dtype in enumerate(_role_dtypes(s.spec)):
+                    amax = flat[3 * i + role]
+                    if amax < 0:
+                        continue  # not quantized since the last sync
+                    history = s.amax_history[role]
+                    history.copy_(torch.roll(history, 1))
+                    history[0] = amax
+                    s.scale[role].copy_(delayed_scale(history, s.scale[role], dtype, s.spec.amax_compute, s.spec.margin))
+                s.pending_amax = None
+        self.pending = self.stepped = False
+        return communicated
+
+
+def _pending(state: Fp8GemmState) -> torch.Tensor:
+    """A state's pending amaxes (-1: none), on its own device."""
+    if state.pending_amax is None:
+        return torch.full((3,), -1.0, device=state.scale.device)
+    return state.pending_amax
+
+
+def _role_dtypes(spec: Fp8Spec) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    return E4M3, E4M3, spec.grad_dtype
 
 
 @torch.no_grad()
 def _record(state: Optional[Fp8GemmState], role: int, tensor: torch.Tensor, quantized: torch.Tensor,
             scale: torch.Tensor, dtype: torch.dtype) -> None:
-    """Write the scale used and, while ``state.track``, the saturated and flushed fractions."""
+    """Write the scale used and, while ``state.track``, the saturated and flushed fractions, the amax and a call count."""
     if state is None:
         return
+    state.used_scale[role].copy_(scale.min())
     if not state.delayed:
         state.scale[role].copy_(scale.min())
     if state.track:
@@ -196,14 +288,26 @@ def _record(state: Optional[Fp8GemmState], role: int, tensor: torch.Tensor, quan
         state.saturated[role].copy_(saturated)
         state.flushed[role].copy_(((quantized.to(torch.float32) == 0) & (tensor != 0)).sum() / count)
         state.saturated_steps[role] += (saturated > 0).to(torch.int64)
+        state.amax[role].copy_(amax_of(tensor).to(torch.float32))
+        state.calls[role] += 1
 
 
 @torch.no_grad()
 def _delayed_update(state: Fp8GemmState, role: int, tensor: torch.Tensor, spec: Fp8Spec, dtype: torch.dtype) -> None:
-    """Record ``tensor``'s amax (newest first) and compute the scale its next call uses."""
+    """Record ``tensor``'s amax (newest first) and compute the scale its next call uses; deferred: fold it into the step's."""
+    amax = amax_of(tensor).to(torch.float32)
+    state.spec = spec
+    group = getattr(state, "group", None)
+    if group is not None and group.deferred():
+        # local until Fp8Group.sync reduces it across ranks: one history entry per step, the max of its calls
+        if state.pending_amax is None:
+            state.pending_amax = torch.full((3,), -1.0, device=amax.device)
+        state.pending_amax[role] = torch.maximum(state.pending_amax[role], amax)
+        group.pending = True
+        return
     history = state.amax_history[role]
     history.copy_(torch.roll(history, 1))
-    history[0] = _reduce_amax(amax_of(tensor).to(torch.float32))
+    history[0] = amax
     state.scale[role].copy_(delayed_scale(history, state.scale[role], dtype, spec.amax_compute, spec.margin))
 
 
@@ -230,6 +334,9 @@ class Fp8Matmul(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w_t: torch.Tensor, spec: Fp8Spec, state: Optional[Fp8GemmState]) -> torch.Tensor:
         ctx.save_for_backward(x, w_t)
         ctx.spec, ctx.state = spec, state
+        group = getattr(state, "group", None)  # None: a state saved before groups existed
+        if spec.recipe == "delayed" and group is not None:
+            group.before_forward()
         x2 = x.reshape(-1, x.shape[-1])
         x8, x_scale = _quantize_as(x2, 0, E4M3, spec, state, dim=-1)
         w8, w_scale = _quantize_as(w_t, 1, E4M3, spec, state, dim=0)
@@ -267,6 +374,9 @@ class Fp8Matmul(torch.autograd.Function):
                            emulate=spec.emulate)
         if delayed:
             _delayed_update(state, 2, g2, spec, spec.grad_dtype)
+            group = getattr(state, "group", None)
+            if group is not None and group.pending:
+                group.stepped = True  # the next forward starts a new step: it syncs this one
         return grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1]), grad_w.t(), None, None
 
 

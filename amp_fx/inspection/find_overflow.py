@@ -11,6 +11,14 @@ gradient autograd returns), and the first edge, walking back from the loss,
 whose low gradient is non-finite while the twin's is finite names the node
 whose backward overflowed.
 
+In a module with fp8 GEMMs the same run counts, per GEMM, the values each
+fp8 quantization clamped at its format's max and flushed to zero (forward
+operands e4m3, grad_output e5m2, with ``backward=True``): every report carries
+that table as ``report.fp8``, and a run without inf/NaN reports the first fp8
+GEMM that saturated (``kind="fp8 saturation"``; delayed scaling's stale scales
+are what clamp).  The counts are the ones ``amp_fx.fp8_report`` gives
+(:mod:`amp_fx.inspection.fp8_view`).
+
 :func:`diagnose_collapse` is the entry point for the loss scaler: it gets a
 callable that reproduces a training step and returns the report.
 
@@ -32,7 +40,10 @@ import torch.nn.functional as F
 
 from amp_fx.graph_ops.outer_autocast import no_outer_autocast
 from amp_fx.errors import AmpTypeError, AmpValueError, checks_keywords
-from amp_fx.inspection.overflow_report import OverflowReport, overflowed, pin_override, pin_targets, report_at
+from amp_fx.graph_ops.fp8_ops import E4M3, ROLES, fp8_linear, fp8_matmul
+from amp_fx.inspection.fp8_view import Fp8Report, fp8_diagnosis
+from amp_fx.inspection.overflow_report import (OverflowReport, overflowed, pin_override, pin_targets, report_at,
+                                               saturation_at)
 from amp_fx.inspection.twin_run import CALL_OPS, TwinRun, preserved_buffers
 # Re-exported: calibration and older callers import the value helpers from here.
 from amp_fx.inspection.values import (  # noqa: F401
@@ -77,29 +88,75 @@ def find_overflow(
         loss_fn: ``(output, target) -> loss``; by default cross-entropy for
             an integer target, MSE for a floating one.
 
-    The module's buffers (batch-norm statistics) are restored afterwards, and
-    no ``.grad`` is written: gradients are taken with ``torch.autograd.grad``.
+    The module's buffers (batch-norm statistics, fp8 scales and histories) are
+    restored afterwards, and no ``.grad`` is written: gradients are taken with
+    ``torch.autograd.grad``.  With fp8 GEMMs the report (inf/NaN or fp8
+    saturation) has ``fp8``, their saturation table of this run.
     """
     run = TwinRun(converted, inputs, tap_edges=backward)
     grad_mode = torch.enable_grad() if backward else torch.no_grad()
-    with grad_mode, preserved_buffers(converted):
-        for node, low, twin in run.steps():
-            if node.op in CALL_OPS and overflowed(low, twin):
-                return report_at("forward", node, low, twin)
-        low_out, twin_out = run.outputs
-        losses = None
-        if target is not None or backward:
-            fn = loss_fn or default_loss
-            with no_outer_autocast():
-                losses = (fn(low_out, target), fn(twin_out, target))
-            if overflowed(losses[0], losses[1]):
-                loss_node = next(n for n in converted.graph.nodes if n.op == "output")
-                report = report_at("forward", loss_node, losses[0], losses[1])
-                report.op, report.node = "loss", "loss"
-                return report
-        if not backward:
-            return None
-        return _find_backward(run, losses, loss_scale)
+    gemms = _fp8_nodes(converted)
+    if not gemms:
+        with grad_mode, preserved_buffers(converted):
+            return _search(converted, run, target, backward, loss_fn, loss_scale)
+    with grad_mode, preserved_buffers(converted), fp8_diagnosis(converted) as read:
+        report = _search(converted, run, target, backward, loss_fn, loss_scale)
+        table = read()
+    if report is None:
+        report = _first_saturation(converted, gemms, table, backward)
+    if report is not None:
+        report.fp8 = table
+    return report
+
+
+def _fp8_nodes(converted: fx.GraphModule) -> list[tuple[fx.Node, str]]:
+    """(node, its state's name) of every fp8 GEMM, in graph order."""
+    found = []
+    for node in converted.graph.nodes:
+        if node.op == "call_function" and node.target in (fp8_linear, fp8_matmul) and len(node.args) > 3:
+            state = node.args[3]
+            if isinstance(state, fx.Node) and state.op == "get_attr":
+                found.append((node, str(state.target).rsplit(".", 1)[-1]))
+    return found
+
+
+def _first_saturation(converted: fx.GraphModule, gemms: list, table: Fp8Report, backward: bool) -> Optional[OverflowReport]:
+    """The first fp8 GEMM that clamped anything: forward operands in graph order, then grad_output walking back."""
+    conversion = getattr(converted, "amp_report", None)
+    stats = conversion.passes.get("fp8_gemms", {}) if conversion is not None else {}
+    ops = {g["node"]: g["op"] for g in stats.get("gemms", [])}  # the op a policy names (linear, matmul, addmm)
+    order = [("forward", node, name, role) for node, name in gemms for role in ROLES[:2]]
+    if backward:
+        order += [("backward", node, name, ROLES[2]) for node, name in reversed(gemms)]
+    for phase, node, name, role in order:
+        row = table.gemms.get(name, {}).get(role)
+        if row and row["calls"] and row["saturated"] > 0:
+            spec = node.args[2]
+            dtype = spec.grad_dtype if role == ROLES[2] else E4M3
+            return saturation_at(phase, node, role, row, dtype, table, ops.get(node.name))
+    return None
+
+
+def _search(converted: fx.GraphModule, run: TwinRun, target: Any, backward: bool,
+            loss_fn: Optional[Callable[..., torch.Tensor]], loss_scale: float) -> Optional[OverflowReport]:
+    """The inf/NaN search: forward node by node, the loss, then the backward edge by edge."""
+    for node, low, twin in run.steps():
+        if node.op in CALL_OPS and overflowed(low, twin):
+            return report_at("forward", node, low, twin)
+    low_out, twin_out = run.outputs
+    losses = None
+    if target is not None or backward:
+        fn = loss_fn or default_loss
+        with no_outer_autocast():
+            losses = (fn(low_out, target), fn(twin_out, target))
+        if overflowed(losses[0], losses[1]):
+            loss_node = next(n for n in converted.graph.nodes if n.op == "output")
+            report = report_at("forward", loss_node, losses[0], losses[1])
+            report.op, report.node = "loss", "loss"
+            return report
+    if not backward:
+        return None
+    return _find_backward(run, losses, loss_scale)
 
 
 def _find_backward(run: TwinRun, losses: tuple, loss_scale: float) -> Optional[OverflowReport]:

@@ -16,16 +16,17 @@ calls saturated anything.  ``str()`` of the report is a table.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
 
 from amp_fx.graph_ops.fp8_ops import ROLES
-from amp_fx.passes.fp8_gemms import fp8_states
+from amp_fx.passes.fp8_gemms import fp8_group, fp8_states
 
-__all__ = ["fp8_report", "track_fp8", "Fp8Report"]
+__all__ = ["fp8_report", "track_fp8", "Fp8Report", "read_fp8", "fp8_diagnosis"]
 
 
 def track_fp8(converted: nn.Module, on: bool = True) -> int:
@@ -51,6 +52,9 @@ class Fp8Report:
         lines = ["fp8 GEMMs: gemm / operand / scale / saturated / flushed to zero / calls that saturated"]
         for name, rows in self.gemms.items():
             for role, row in rows.items():
+                if row["tracked"] and not row["calls"]:
+                    lines.append(f"  {name:<20} {role:<12} {row['scale']:>12.6g} {'(not run)':>10}")
+                    continue
                 lines.append(f"  {name:<20} {role:<12} {row['scale']:>12.6g} {row['saturated']:>10.3%} "
                              f"{row['flushed']:>10.3%} {row['saturated_steps']:>6}")
         return "\n".join(lines)
@@ -58,16 +62,59 @@ class Fp8Report:
     __repr__ = __str__
 
 
-def _read(converted: nn.Module) -> Fp8Report:
+def read_fp8(converted: nn.Module) -> Fp8Report:
+    """What every fp8 GEMM's :class:`~amp_fx.graph_ops.fp8_ops.Fp8GemmState` recorded (the one source of the counts).
+
+    Per operand: ``scale`` (what its last call quantized with; ``next_scale``: delayed
+    scaling's for the next call, else the same), ``saturated`` and ``flushed`` fractions, ``amax`` (local
+    max |x|), ``saturated_steps``, and ``calls`` (quantizations counted while tracked).
+    """
     report = Fp8Report()
     for name, state in fp8_states(converted).items():
         report.gemms[name] = {
-            role: {"scale": float(state.scale[i]), "saturated": float(state.saturated[i]),
+            role: {"scale": float(state.used_scale[i]), "next_scale": float(state.scale[i]), "saturated": float(state.saturated[i]),
                    "flushed": float(state.flushed[i]), "saturated_steps": int(state.saturated_steps[i]),
-                   "tracked": state.track}
+                   "amax": float(state.amax[i]), "calls": int(state.calls[i]), "tracked": state.track}
             for i, role in enumerate(ROLES)
         }
     return report
+
+
+_read = read_fp8
+
+
+@contextlib.contextmanager
+def fp8_diagnosis(converted: nn.Module) -> Iterator[Callable[[], Fp8Report]]:
+    """Count saturation in a diagnosis run, then put every fp8 GEMM's state back; yields the reader.
+
+    Inside: tracking on, the last call's fractions and the call counts zeroed
+    (``saturated_steps`` goes on from what training counted), and delayed
+    scaling's group paused (no collective starts in a run only one rank makes).
+    Afterwards the buffers, tracking flags and the step's pending amaxes are as before.
+    """
+    states = fp8_states(converted)
+    group = fp8_group(converted)
+    saved = {name: ({k: b.clone() for k, b in state.named_buffers()}, state.track) for name, state in states.items()}
+    flags = (group.pending, group.stepped, group.paused) if group is not None else None
+    pending = {name: None if state.pending_amax is None else state.pending_amax.clone() for name, state in states.items()}
+    try:
+        with torch.no_grad():
+            for state in states.values():
+                state.track = True
+                for buffer in (state.saturated, state.flushed, state.amax, state.calls):
+                    buffer.zero_()
+        if group is not None:
+            group.paused = True
+        yield lambda: read_fp8(converted)
+    finally:
+        for name, (buffers, track) in saved.items():
+            with torch.no_grad():
+                for key, value in buffers.items():
+                    states[name].get_buffer(key).copy_(value)
+            states[name].track = track
+            states[name].pending_amax = pending[name]
+        if group is not None:
+            group.pending, group.stepped, group.paused = flags
 
 
 def _default_loss(output: Any) -> torch.Tensor:
@@ -86,21 +133,14 @@ def fp8_report(converted: nn.Module, *inputs: Any, loss_fn: Optional[Callable[[A
     """
     if not inputs:
         return _read(converted)
-    states = fp8_states(converted)
-    saved = {name: ({k: b.clone() for k, b in state.named_buffers()}, state.track) for name, state in states.items()}
     grads = {p: p.grad for p in converted.parameters()}
     for p in grads:
         p.grad = None
     try:
-        track_fp8(converted)
-        output = converted(*inputs)
-        (loss_fn or _default_loss)(output).backward()
-        return _read(converted)
+        with fp8_diagnosis(converted) as read:
+            output = converted(*inputs)
+            (loss_fn or _default_loss)(output).backward()
+            return read()
     finally:
-        for name, (buffers, track) in saved.items():
-            with torch.no_grad():
-                for key, value in buffers.items():
-                    states[name].get_buffer(key).copy_(value)
-            states[name].track = track
         for p, grad in grads.items():
             p.grad = grad

@@ -2,7 +2,12 @@
 
 The search in :mod:`amp_fx.inspection.find_overflow` decides *where* the low
 graph first went non-finite while its fp32 twin stayed finite; this module
-turns that node and its two values into an :class:`OverflowReport`.
+turns that node and its two values into an :class:`OverflowReport`.  In a
+module with fp8 GEMMs every report also carries ``fp8``, the per-GEMM
+saturation table of the same run (:class:`~amp_fx.inspection.fp8_view.Fp8Report`),
+and a run without inf/NaN reports the first fp8 GEMM that clamped values at
+its format's max (:func:`saturation_at`): fp8 saturates silently where fp16
+overflows to inf.
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ import torch.fx as fx
 
 from amp_fx.ir import meta
 from amp_fx.ir.cast_nodes import is_inserted_cast
+from amp_fx.inspection.fp8_view import Fp8Report
 from amp_fx.inspection.twin_run import CALL_OPS
 from amp_fx.inspection.values import max_abs, nonfinite_count, value_dtype
 
-__all__ = ["OverflowReport", "pin_override", "pin_targets", "report_at", "overflowed"]
+__all__ = ["OverflowReport", "pin_override", "pin_targets", "report_at", "overflowed", "saturation_at"]
 
 
 def pin_override(node: fx.Node) -> dict[str, str]:
@@ -58,8 +64,32 @@ class OverflowReport:
     gradient_of: Optional[str] = None  # backward: the input whose gradient broke
     # backward: the largest power-of-two loss scale under which this gradient fits ``dtype``.
     safe_loss_scale: Optional[float] = None
+    kind: str = "overflow"  # "overflow" (inf/NaN) or "fp8 saturation" (an fp8 GEMM clamped at its format's max)
+    operand: Optional[str] = None  # fp8 saturation: "input", "weight" or "grad_output"
+    saturated: Optional[float] = None  # fp8 saturation: the fraction of that operand's values clamped
+    fp8: Optional[Fp8Report] = None  # a module with fp8 GEMMs: every GEMM's saturation in this run
 
     def __str__(self) -> str:
+        if self.kind == "fp8 saturation":
+            return self._saturation_text()
+        return self._overflow_text() + (f"\n{self.fp8}" if self.fp8 is not None else "")
+
+    def _saturation_text(self) -> str:
+        lines = [
+            f"{self.phase} fp8 saturation at node {self.node!r} (op {self.op}, module {self.module or '<root>'!r}): "
+            f"{self.saturated:.3%} of its {self.operand} clamped at {self.dtype}'s max {self.dtype_max:g} "
+            f"(max |x| = {self.max_abs:.4g}, quantized with a scale from earlier steps)",
+        ]
+        if self.source:
+            lines.append(f"  source: {self.source}")
+        if self.override:
+            lines.append(f"  keep it bf16 with policy={self.override!r}, raise fp8 margin=, or use fp8='tensorwise' "
+                         "(current scaling never clamps)")
+        if self.fp8 is not None:
+            lines.append(str(self.fp8))
+        return "\n".join(lines)
+
+    def _overflow_text(self) -> str:
         what = "output" if self.phase == "forward" else f"backward (gradient of its input {self.gradient_of!r})"
         lines = [
             f"{self.phase} overflow at node {self.node!r} (op {self.op}, module {self.module or '<root>'!r}, decision {self.decision})",
@@ -102,6 +132,20 @@ def report_at(phase: str, node: fx.Node, low: Any, twin: Any, gradient_of: Optio
         max_abs=biggest, dtype_max=float(torch.finfo(dtype).max) if dtype else None,
         nonfinite=nonfinite_count(low), override=override, pin_nodes=[t.name for t in targets], gradient_of=gradient_of,
         safe_loss_scale=safe,
+    )
+
+
+def saturation_at(phase: str, node: fx.Node, operand: str, row: dict[str, Any], dtype: torch.dtype,
+                  table: Fp8Report, policy_op: Optional[str] = None) -> OverflowReport:
+    """The report for fp8 GEMM ``node`` whose ``operand`` saturated (``row``: its line of ``table``)."""
+    module = meta.MODULE_PATH.get(node) or ""
+    # "low" keeps the GEMM out of fp8 (its bf16 GEMM cannot clamp); by op when it has no module of its own.
+    override = {f"module:{module}": "low"} if module else {f"op:{policy_op or 'linear'}": "low"}
+    return OverflowReport(
+        phase=phase, node=node.name, op=meta.OP.get(node), module=module, source=meta.SOURCE.get(node),
+        decision=meta.DECISION.get(node, "fp8"), dtype=str(dtype).replace("torch.", ""), max_abs=row["amax"],
+        dtype_max=float(torch.finfo(dtype).max), nonfinite=0, override=override, pin_nodes=[node.name],
+        kind="fp8 saturation", operand=operand, saturated=row["saturated"], fp8=table,
     )
 
 

@@ -21,6 +21,7 @@ from torch.fx.node import map_arg
 
 from amp_fx.ir import meta
 from amp_fx.ir.cast_nodes import cast_target, is_inserted_cast
+from amp_fx.graph_ops.fp8_ops import fp8_linear, fp8_matmul
 from amp_fx.graph_ops.outer_autocast import no_outer_autocast
 from amp_fx.errors import AmpTypeError
 from amp_fx.inspection.values import LOW_DTYPES, plain_containers
@@ -91,7 +92,7 @@ class _Runner(fx.Interpreter):
 
 
 class _TwinRunner(_Runner):
-    """The fp32 twin: inserted casts to a low dtype cast to fp32; low parameters are read as fp32."""
+    """The fp32 twin: inserted casts to a low dtype cast to fp32; low parameters are read as fp32; fp8 GEMMs run in fp32."""
 
     def __init__(self, gm: fx.GraphModule, masters: Optional[dict[str, torch.Tensor]] = None):
         super().__init__(gm)
@@ -104,6 +105,11 @@ class _TwinRunner(_Runner):
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 return value.to(torch.float32)
             return value
+        if n.op == "call_function" and n.target in (fp8_linear, fp8_matmul):
+            # An fp8 GEMM's twin is the GEMM in fp32 (and leaves the fp8 state, which the low run records, alone).
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            x, other = args[0].float(), args[1].float()
+            return torch.nn.functional.linear(x, other) if n.target is fp8_linear else torch.matmul(x, other)
         return super().run_node(n)
 
     def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:

@@ -25,6 +25,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         for step in range(3):
             x = torch.randn(4, 32) * (1 + rank) * (step + 1)
             gm(x).pow(2).sum().backward()
+        # The last step's amaxes are reduced at the next forward; reading the state now asks for that sync first.
+        amp_fx.fp8_sync(gm)
         states = {name: (s.scale.clone(), s.amax_history.clone()) for name, s in amp_fx.fp8_states(gm).items()}
         torch.save(states, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -38,3 +40,68 @@ def launch(out_dir: str) -> list[dict]:
         port = s.getsockname()[1]
     mp.spawn(_worker, args=(port, out_dir), nprocs=2)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
+
+
+def _counting_worker(rank: int, port: int, out_dir: str, ddp: bool) -> None:
+    """Train 4 optimizer steps (lazy sync) and 3 more of 2 micro-batches each (sync on the optimizer step), counting all_reduce calls.
+
+    ``ddp``: under DistributedDataParallel with its default buffer broadcast (its gradient all-reduce and
+    broadcast run in C++ and are not counted: the count is amp_fx's).
+    """
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    calls = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+        gm = amp_fx.convert(model, "O1", example_inputs=(torch.randn(4, 32),),
+                            fp8={"recipe": "delayed", "size_rule": "all", "history_len": 8})
+        net = torch.nn.parallel.DistributedDataParallel(gm) if ddp else gm
+        opt = torch.optim.SGD(gm.parameters(), lr=0.01)
+        torch.manual_seed(100 + rank)
+        per_step, local_amax = [], []
+
+        def micro_batch(scale):
+            x = torch.randn(4, 32) * scale
+            local_amax.append(x.abs().max().item())
+            net(x).pow(2).sum().backward()
+
+        for step in range(4):  # the sync happens at the next forward
+            before = len(calls)
+            micro_batch((1 + rank) * (step + 1))
+            opt.step()
+            opt.zero_grad()
+            per_step.append(len(calls) - before)
+        handle = amp_fx.fp8_sync(gm, opt)  # from here: at each optimizer step
+        for step in range(3):
+            before = len(calls)
+            for _ in range(2):
+                micro_batch(1 + rank + step)
+            opt.step()
+            opt.zero_grad()
+            per_step.append(len(calls) - before)
+        handle.remove()
+        (state,) = [s for name, s in amp_fx.fp8_states(gm).items() if name == "0"]
+        torch.save({"per_step": per_step, "sizes": calls, "local_amax": local_amax,
+                    "history": state.amax_history.clone(), "scale": state.scale.clone()},
+                   os.path.join(out_dir, f"count{rank}{'ddp' if ddp else ''}.pt"))
+    finally:
+        dist.all_reduce = real
+        dist.destroy_process_group()
+
+
+def launch_counting(out_dir: str, ddp: bool = False) -> list[dict]:
+    """Run the counting ranks; return each rank's per-step all_reduce counts, sizes, local input amaxes and GEMM 0's state."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_counting_worker, args=(port, out_dir, ddp), nprocs=2)
+    return [torch.load(os.path.join(out_dir, f"count{r}{'ddp' if ddp else ''}.pt")) for r in range(2)]

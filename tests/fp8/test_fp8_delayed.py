@@ -110,7 +110,7 @@ def test_current_scaling_keeps_state_dict_keys():
 
 
 def test_two_ranks_use_identical_scales(tmp_path):
-    """2 gloo ranks, different data: each amax is reduced (max) across ranks, so both keep the same history and scales."""
+    """2 gloo ranks, different data: the amaxes are reduced (max) across ranks, so both keep the same history and scales."""
     from fp8_ranks import launch
 
     first, second = launch(str(tmp_path))
@@ -120,3 +120,50 @@ def test_two_ranks_use_identical_scales(tmp_path):
         assert torch.equal(first[name][1], second[name][1]), name
     # rank 1's inputs were twice rank 0's: the shared input history is rank 1's amaxes, not rank 0's
     assert first["0"][1][0, 0] > 0
+
+
+@pytest.mark.parametrize("ddp", [False, True])
+def test_two_ranks_reduce_once_per_step(tmp_path, ddp):
+    """One all_reduce per optimizer step (both GEMMs' pending amaxes, flattened), not one per tensor per call.
+
+    Lazy sync: the first forward after a backward reduces the step before it (step 1 has nothing to reduce).
+    With fp8_sync(gm, optimizer): one at each optimizer.step(), however many micro-batches it accumulated.
+    Either way each step adds one history entry: the max over the ranks and the step's micro-batches.
+    Under DDP too: its buffer broadcast (rank 0's buffers, every forward) cannot drop rank 1's larger amaxes,
+    which wait outside the buffers until the sync.
+    """
+    from fp8_ranks import launch_counting
+
+    first, second = launch_counting(str(tmp_path), ddp)
+    assert first["per_step"] == second["per_step"] == [0, 1, 1, 1, 1, 1, 1]
+    assert set(first["sizes"]) == {2 * 3}  # 2 GEMMs x 3 operands' pending amaxes, in one tensor
+    assert torch.equal(first["history"], second["history"]) and torch.equal(first["scale"], second["scale"])
+    # input history of GEMM 0, newest first: 4 steps of 1 micro-batch, 3 of 2, then one empty slot
+    both = [max(a, b) for a, b in zip(first["local_amax"], second["local_amax"])]
+    per_step = both[:4] + [max(both[i], both[i + 1]) for i in (4, 6, 8)]
+    assert first["history"][0].tolist() == pytest.approx(per_step[::-1] + [0.0], rel=0, abs=0)
+    assert first["scale"][0].item() == pytest.approx(E4M3_MAX / max(per_step), rel=1e-6)
+
+
+@pytest.mark.parametrize("level,wrapper", [("O2", "MasterWeightOptimizer"), ("O3", "LowPrecisionOptimizer")])
+def test_sync_on_step_through_amp_fx_optimizers(level, wrapper):
+    """The step hook fires through amp_fx's optimizer wrappers: after each step the scales are the per-call run's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    batches = [torch.randn(4, 32) * (i + 1) for i in range(3)]
+    runs = []
+    for hook in (False, True):
+        gm = amp_fx.convert(copy.deepcopy(model), level, example_inputs=(batches[0],),
+                            fp8={"recipe": "delayed", "size_rule": "all", "history_len": 3})
+        opt = getattr(amp_fx, wrapper)(torch.optim.SGD(gm.parameters(), lr=0.1), gm)
+        if hook:
+            amp_fx.fp8_sync(gm, opt)
+        scales = []
+        for x in batches:
+            gm(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            scales.append(torch.stack([s.scale.clone() for s in amp_fx.fp8_states(gm).values()]))
+        runs.append(scales)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert not torch.equal(runs[1][0], torch.ones_like(runs[1][0]))  # the hook did update them
