@@ -18,9 +18,12 @@ analysis saw plain low GEMMs.  Here, for every ``linear`` /
    :class:`~amp_fx.graph_ops.fp8_ops.Fp8GemmState` under ``amp_fx_fp8.<name>``
    (the scales it used; delayed scaling's amax history, in ``state_dict``).
 
-The node keeps its name and gets decision ``"fp8"``; the stats list every
-GEMM with its decision and why (also as report lines), and the share of GEMM
-FLOPs that run in fp8.
+K and N come from the weight's shape (a ``matmul`` without example inputs too).
+The node keeps its name and gets decision ``"fp8"``; whenever fp8 was asked
+(``fp8=`` or a policy's ``"fp8"``) the stats list every GEMM with its decision
+and why (also as report lines), a GEMM a policy forced but could not make fp8
+says so in its reason, and the last line counts them (``2 of 3 GEMMs fp8``)
+with the share of GEMM FLOPs that run in fp8.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from amp_fx.errors import AmpNotImplementedError, AmpTypeError, AmpValueError
+from amp_fx.errors import PACKAGE, AmpNotImplementedError, AmpTypeError, AmpValueError
 from amp_fx.frontend.declared_precision import policy_target
 from amp_fx.graph_ops.fp8_ops import Fp8GemmState, Fp8Group, Fp8Spec, fp8_linear, fp8_matmul
 from amp_fx.ir import meta, op_properties
@@ -92,7 +95,7 @@ def fp8_sync(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = Non
     group = fp8_group(module)
     if group is None:
         raise AmpValueError(f"{type(module).__name__} has no fp8 GEMMs: fp8_sync takes what "
-                            "amp_fx.convert(model, fp8='delayed') returned")
+                            f"{PACKAGE}.convert(model, fp8='delayed') returned")
     if optimizer is None:
         return group.sync()
     if not callable(getattr(optimizer, "register_step_post_hook", None)):
@@ -120,6 +123,17 @@ def _is_weight(value: Any) -> bool:
     return isinstance(source, fx.Node) and meta.PARAM.get(source) is not None and shape is not None and len(shape) == 2
 
 
+def _with_weight_sizes(gemm: Gemm) -> Gemm:
+    """``gemm`` with K and N read off its 2-D parameter operand where the activation's shape is unknown.
+
+    ``find_gemm`` needs both operands' shapes for a ``matmul`` / ``mm`` / ``addmm``; without
+    example inputs only the parameter's is known, and it alone fixes K and N (``x @ W``: W is K x N).
+    """
+    if gemm.op in ("matmul", "mm", "addmm") and gemm.K is None and _is_weight(gemm.weight):
+        gemm.K, gemm.N = meta.shape(gemm.weight)
+    return gemm
+
+
 def _policy_decision(node: fx.Node, ctx: PassContext) -> Optional[Any]:
     return ctx.policy.decide(meta.OP.get(node), policy_target(node), meta.MODULE_STACK.get(node) or [])
 
@@ -133,16 +147,20 @@ def _decide(gemm: Gemm, ctx: PassContext) -> tuple[Optional[Fp8Config], str]:
     legal, why = can_fp8(gemm.op, decision=meta.DECISION.get(node), K=gemm.K, N=gemm.N,
                          act_dims=None if act_shape is None else len(act_shape), weight_is_param=_is_weight(gemm.weight),
                          scaled=scaled or len(node.args) > 3)
-    if rule is not None and rule.decision == "fp8":
+    if _asks_fp8(rule):
         return (ctx.config.fp8 or _DEFAULT, rule.describe()) if legal else (None, f"{rule.describe()}, but {why}")
     if rule is not None:
         return None, f"{rule.describe()} keeps it out of fp8"
     if ctx.config.fp8 is None:
-        return None, "fp8 not asked for"
+        return None, "fp8 not asked for it (no fp8=, and no policy 'fp8' covers it)"
     if not legal:
         return None, why
     worth_it, why_not = should_fp8(gemm.K, gemm.N, ctx.config.fp8)
     return (ctx.config.fp8, f"K={gemm.K} N={gemm.N} eligible") if worth_it else (None, why_not)
+
+
+def _asks_fp8(rule: Optional[Any]) -> bool:
+    return rule is not None and rule.decision == "fp8"
 
 
 def _state_name(node: fx.Node, taken: set) -> str:
@@ -195,7 +213,8 @@ def _rewrite(gm: fx.GraphModule, gemm: Gemm, config: Fp8Config, why: str, ctx: P
             raise AmpNotImplementedError(
                 "fp8 recipe 'delayed' keeps its amax history in module buffers, which a torch.compile backend cannot "
                 "add to the model. Convert first and compile the result: torch.compile(amp_fx.convert(model, fp8="
-                "'delayed'), backend='aot_eager' or 'inductor'); or use fp8='tensorwise' / 'rowwise' here.")
+                "'delayed'), backend='inductor') compiles everything but the delayed GEMMs, which run eagerly (one "
+                "graph break each); or use fp8='tensorwise' / 'rowwise' here, which compile whole.")
         name, state_node = None, None
     else:
         name, state_node = _add_state(gm, gemm, config, taken)
@@ -240,6 +259,8 @@ def fp8_gemms(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Rewrite each low GEMM the policy, ``can_fp8`` and ``should_fp8`` choose into a scaled fp8 GEMM."""
     gemms, lines, taken = [], [], set(fp8_states(gm))
     total_flops = fp8_flops = 0
+    asked = ctx.config.fp8 is not None  # or a policy's "fp8" covers a GEMM (below)
+    low = str(ctx.low).replace("torch.", "")
     for node in list(gm.graph.nodes):
         gemm = find_gemm(node)
         if gemm is None:
@@ -248,24 +269,30 @@ def fp8_gemms(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         total_flops += flops or 0
         if not op_properties.of(gemm.op).fp8:
             continue
+        gemm = _with_weight_sizes(gemm)
+        forced = _asks_fp8(_policy_decision(node, ctx))
+        asked = asked or forced
         config, why = _decide(gemm, ctx)
         state = _rewrite(gm, gemm, config, why, ctx, taken) if config is not None else None
         if config is not None:
             fp8_flops += flops or 0
             logger.debug("fp8 %s (%s): %s", node.name, config.recipe, why)
+        elif forced:
+            # A policy's "fp8" painted it low "its GEMMs fp8": its row must not claim fp8 it does not run.
+            meta.REASON.set(node, f"{why}: runs {low}, not fp8")
         where = f" ({meta.MODULE_PATH.get(node)})" if meta.MODULE_PATH.get(node) else ""
         rows = "?" if gemm.M is None else gemm.M
         head = f"{gemm.op} {node.name}{where}: M={rows} K={gemm.K} N={gemm.N}"
-        lines.append(f"{head} -> fp8 {config.recipe} ({why})" if config else f"{head} kept {str(ctx.low).replace('torch.', '')} ({why})")
+        lines.append(f"{head} -> fp8 {config.recipe} ({why})" if config else f"{head} kept {low} ({why})")
         gemms.append({"node": node.name, "op": gemm.op, "module": meta.MODULE_PATH.get(node, ""), "M": gemm.M,
                       "K": gemm.K, "N": gemm.N, "flops": flops, "fp8": config is not None,
                       "recipe": config.recipe if config else None, "why": why, "state": state})
     count = sum(1 for g in gemms if g["fp8"])
-    if not count and ctx.config.fp8 is None:
-        lines = []  # a conversion that asked for no fp8 carries no fp8 lines
+    if not asked:
+        lines = []  # a conversion that asked for no fp8 (by fp8= or a policy) carries no fp8 lines
     share = fp8_flops / total_flops if total_flops else None
-    if count and share is not None:
-        lines.append(f"{count} fp8 GEMMs, {share:.1%} of GEMM FLOPs")
-    stats = {"gemms": gemms, "fp8": count, "fp8_flops": fp8_flops, "gemm_flops": total_flops,
-             "fp8_flop_share": share, "report_lines": lines}
+    if asked:
+        lines.append(f"{count} of {len(gemms)} GEMMs fp8" + (f", {share:.1%} of GEMM FLOPs" if share is not None else ""))
+    stats = {"gemms": gemms, "fp8": count, "asked": asked, "candidates": len(gemms), "fp8_flops": fp8_flops,
+             "gemm_flops": total_flops, "fp8_flop_share": share, "report_lines": lines}
     return PassResult(gm, count > 0, stats)

@@ -26,6 +26,7 @@ def paint_fp8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for node in gm.graph.nodes:
         if meta.DECISION.get(node) == "fp8":
             meta.DECISION.set(node, "low")
-            meta.REASON.set(node, f"{meta.REASON.get(node, '')}: low, its GEMMs fp8")
+            # fp8_gemms rewrites this reason on every GEMM: "fp8 ..." where it made it fp8, why not where it did not.
+            meta.REASON.set(node, f"{meta.REASON.get(node, '')}: low (fp8 applies to its GEMMs)")
             repainted += 1
     return PassResult(gm, repainted > 0, {"repainted": repainted})

@@ -27,6 +27,11 @@ Recipes (``spec.recipe``):
   scale computed from the amax history of earlier calls, and then records its own amax.
   History and scales are the tensors of an :class:`Fp8GemmState` (module buffers).
 
+An empty batch (no rows) returns the empty result, an empty input gradient and
+a zero weight gradient, and records nothing.  Under ``torch.compile`` a
+delayed GEMM runs eagerly (``torch.compiler.disable``: its backward updates
+the module's history, which a traced backward cannot keep).
+
 Every call also writes into its :class:`Fp8GemmState` the scales it used and,
 when ``state.track`` is on (``amp_fx.find_overflow``, ``amp_fx.fp8_report``), the
 fraction of values saturated at the format's max and flushed to zero.
@@ -284,7 +289,9 @@ def _record(state: Optional[Fp8GemmState], role: int, tensor: torch.Tensor, quan
         limit = torch.finfo(dtype).max
         scaled = tensor.to(torch.float32) * scale
         count = max(tensor.numel(), 1)
-        saturated = (scaled.abs() > limit).sum() / count  # clamped: beyond the largest finite value
+        # Clamped: beyond the largest finite value.  Current scaling maps the amax to the max through a float32
+        # scale and a float32 product (two roundings of 2**-24 each), so its amax may land one ulp above: no clamp.
+        saturated = (scaled.abs() > limit * (1 + 2.0 ** -22)).sum() / count
         state.saturated[role].copy_(saturated)
         state.flushed[role].copy_(((quantized.to(torch.float32) == 0) & (tensor != 0)).sum() / count)
         state.saturated_steps[role] += (saturated > 0).to(torch.int64)
@@ -331,19 +338,26 @@ class Fp8Matmul(torch.autograd.Function):
     """``x @ w_t`` (``w_t``: K x N) as three fp8 GEMMs; gradients for ``x`` and ``w_t`` (module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w_t: torch.Tensor, spec: Fp8Spec, state: Optional[Fp8GemmState]) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, w_t: torch.Tensor, spec: Fp8Spec, state: Optional[Fp8GemmState],
+                record: bool = True) -> torch.Tensor:
         ctx.save_for_backward(x, w_t)
         ctx.spec, ctx.state = spec, state
         group = getattr(state, "group", None)  # None: a state saved before groups existed
-        if spec.recipe == "delayed" and group is not None:
+        if spec.recipe == "delayed" and group is not None and record:
             group.before_forward()
+        if x.numel() == 0:
+            # An empty batch (no rows: a last ragged batch, an empty expert): nothing to scale or record.
+            ctx.empty = True
+            return x.new_zeros(*x.shape[:-1], w_t.shape[1], dtype=spec.out_dtype)
+        ctx.empty = False
         x2 = x.reshape(-1, x.shape[-1])
         x8, x_scale = _quantize_as(x2, 0, E4M3, spec, state, dim=-1)
         w8, w_scale = _quantize_as(w_t, 1, E4M3, spec, state, dim=0)
         if spec.recipe == "delayed":
             ctx.scales = (x_scale, w_scale)
-            _delayed_update(state, 0, x2, spec, E4M3)
-            _delayed_update(state, 1, w_t, spec, E4M3)
+            if record:  # a training forward; evaluation (no_grad) uses the trained scales and changes nothing
+                _delayed_update(state, 0, x2, spec, E4M3)
+                _delayed_update(state, 1, w_t, spec, E4M3)
         out = scaled_mm(x8, x_scale, w8, w_scale, spec.out_dtype, fast_accum=True, emulate=spec.emulate)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -351,6 +365,8 @@ class Fp8Matmul(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
         x, w_t = ctx.saved_tensors
         spec, state = ctx.spec, ctx.state
+        if ctx.empty:
+            return _empty_backward(x, w_t, grad_out, spec, state)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         delayed = spec.recipe == "delayed"
@@ -358,8 +374,10 @@ class Fp8Matmul(torch.autograd.Function):
             # AOTAutograd would trace grad_output's history update into the backward graph as a write to a
             # constant: the history would silently go stale.  Refused rather than wrong.
             raise AmpNotImplementedError(
-                "fp8 recipe 'delayed' records grad_output's amax in the backward, which torch.compile cannot keep "
-                "in the module's buffers; train it eagerly, or compile with fp8='tensorwise' / 'rowwise'")
+                "fp8 recipe 'delayed' records grad_output's amax in the backward, which a traced backward cannot "
+                "keep in the module's buffers; torch.compile of amp_fx.convert(model, fp8='delayed') runs its "
+                "delayed GEMMs eagerly (docs/fp8.md), but this backward was traced: run it eagerly, or use "
+                "fp8='tensorwise' / 'rowwise', which compile whole")
         x_scale, w_scale = ctx.scales if delayed else (None, None)
         # grad_input = grad_out @ w: rows of grad_out, rows of w_t (its columns once transposed)
         g8, g_scale = _quantize_as(g2, 2, spec.grad_dtype, spec, state, dim=-1)
@@ -377,7 +395,18 @@ class Fp8Matmul(torch.autograd.Function):
             group = getattr(state, "group", None)
             if group is not None and group.pending:
                 group.stepped = True  # the next forward starts a new step: it syncs this one
-        return grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1]), grad_w.t(), None, None
+        return grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1]), grad_w.t(), None, None, None
+
+
+def _empty_backward(x: torch.Tensor, w_t: torch.Tensor, grad_out: torch.Tensor, spec: Fp8Spec,
+                    state: Optional[Fp8GemmState]) -> tuple:
+    """The gradients of an empty batch: an empty input gradient and a zero weight gradient (a sum of no rows)."""
+    group = getattr(state, "group", None)
+    if spec.recipe == "delayed" and group is not None and group.deferred():
+        group.stepped = True  # the other ranks' GEMMs saw rows: this rank must join the next forward's sync too
+    grad_x = torch.zeros_like(x, dtype=_grad_dtype(x, grad_out))
+    grad_w = torch.zeros_like(w_t, dtype=_grad_dtype(w_t, grad_out))
+    return grad_x, grad_w, None, None, None
 
 
 def _grad_dtype(operand: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
@@ -391,12 +420,31 @@ def _proxy_call(fn: Any, args: tuple) -> Optional[Proxy]:
     return None if proxy is None else proxy.tracer.create_proxy("call_function", fn, args, {})
 
 
+@torch.compiler.disable(reason="amp_fx: a delayed-scaling fp8 GEMM updates its amax history in the backward; "
+                                "it runs eagerly (docs/fp8.md, Limits)")
+def _delayed_gemm(x: torch.Tensor, w_t: torch.Tensor, spec: Fp8Spec, state: Optional[Fp8GemmState]) -> torch.Tensor:
+    """A delayed-scaling GEMM, run eagerly inside a compiled module: one graph break, the rest of the graph compiles.
+
+    Its backward records grad_output's amax into the module's buffers, which AOTAutograd cannot keep (it would
+    trace the write as one to a constant), so torch.compile leaves this call (forward and backward) to eager.
+    """
+    # Under no_grad (evaluation) a delayed GEMM records no amax and starts no sync: an evaluation must not move
+    # the scales training uses next, nor join a collective the other ranks may not make.
+    return Fp8Matmul.apply(x, w_t, spec, state, torch.is_grad_enabled())
+
+
+def _gemm(x: torch.Tensor, w_t: torch.Tensor, spec: Fp8Spec, state: Optional[Fp8GemmState]) -> torch.Tensor:
+    if spec.recipe == "delayed":
+        return _delayed_gemm(x, w_t, spec, state)
+    return Fp8Matmul.apply(x, w_t, spec, state)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, spec: Fp8Spec, state: Optional[Fp8GemmState] = None) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias: it is added after, in ``spec.out_dtype``) as fp8 GEMMs."""
     traced = _proxy_call(fp8_linear, (x, weight, spec, state))
     if traced is not None:
         return traced
-    return Fp8Matmul.apply(x, weight.t(), spec, state)
+    return _gemm(x, weight.t(), spec, state)
 
 
 def fp8_matmul(x: torch.Tensor, other: torch.Tensor, spec: Fp8Spec, state: Optional[Fp8GemmState] = None) -> torch.Tensor:
@@ -404,4 +452,4 @@ def fp8_matmul(x: torch.Tensor, other: torch.Tensor, spec: Fp8Spec, state: Optio
     traced = _proxy_call(fp8_matmul, (x, other, spec, state))
     if traced is not None:
         return traced
-    return Fp8Matmul.apply(x, other, spec, state)
+    return _gemm(x, other, spec, state)

@@ -122,23 +122,26 @@ def _default_loss(output: Any) -> torch.Tensor:
     return sum(t.float().sum() for t in leaves)
 
 
-def fp8_report(converted: nn.Module, *inputs: Any, loss_fn: Optional[Callable[[Any], torch.Tensor]] = None) -> Fp8Report:
+def fp8_report(converted: nn.Module, *inputs: Any, loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+               **kwarg_inputs: Any) -> Fp8Report:
     """The scales and saturation counts of every fp8 GEMM of ``converted``.
 
-    Without ``inputs``: what the GEMMs recorded in their last call (counts
-    only while :func:`track_fp8` is on).  With ``inputs``: one forward, and a
-    backward of ``loss_fn(output)`` (default: the sum of the floating
-    outputs), run with the counts on; the module's fp8 state and gradients
-    are put back afterwards, so the diagnosis changes nothing.
+    Without inputs: what the GEMMs recorded in their last call (counts
+    only while :func:`track_fp8` is on).  With positional and/or keyword
+    inputs (``fp8_report(gm, input_ids=ids)``, as the module takes them): one
+    forward, and a backward of ``loss_fn(output)`` (default: the sum of the
+    floating outputs, a Hugging Face output's ``loss`` included), run with
+    the counts on; the module's fp8 state and gradients are put back
+    afterwards, so the diagnosis changes nothing.
     """
-    if not inputs:
+    if not inputs and not kwarg_inputs:
         return _read(converted)
     grads = {p: p.grad for p in converted.parameters()}
     for p in grads:
         p.grad = None
     try:
         with fp8_diagnosis(converted) as read:
-            output = converted(*inputs)
+            output = converted(*inputs, **kwarg_inputs)
             (loss_fn or _default_loss)(output).backward()
             return read()
     finally:

@@ -73,6 +73,7 @@ class Summary:
     notes: list[str] = field(default_factory=list)
     fp8_gemms: int = 0  # GEMMs run as scaled fp8 GEMMs (passes/fp8_gemms.py)
     fp8_flop_share: Optional[float] = None  # their share of GEMM FLOPs, from the GEMMs' shapes
+    fp8_candidates: Optional[int] = None  # the GEMMs fp8 was decided for, when fp8 was asked (fp8= or a policy)
 
     @property
     def low_flop_share(self) -> Optional[float]:
@@ -114,9 +115,10 @@ class Summary:
                          + (", ".join(f"{k} {_human(v)}" for k, v in sorted(self.activations.items())) or "none"))
         else:
             lines.append("  activations: unknown (needs shapes: pass example_inputs)")
-        if self.fp8_gemms:
+        if self.fp8_gemms or self.fp8_candidates is not None:
             share = "" if self.fp8_flop_share is None else f", {self.fp8_flop_share:.1%} of GEMM FLOPs"
-            lines.append(f"  fp8 GEMMs: {self.fp8_gemms}{share}")
+            of = "" if self.fp8_candidates is None else f" of {self.fp8_candidates}"
+            lines.append(f"  fp8 GEMMs: {self.fp8_gemms}{of}{share}")
         if self.unknown_ops:
             lines.append(f"  ops in no table (they followed their input): {self.unknown_ops}")
         lines.extend(f"  note: {n}" for n in self.notes)
@@ -231,6 +233,7 @@ def summary(converted: Union[fx.GraphModule, ConversionReport], example_inputs: 
     )
     fp8 = report.passes.get("fp8_gemms", {})
     out.fp8_gemms, out.fp8_flop_share = fp8.get("fp8", 0), fp8.get("fp8_flop_share") if fp8.get("fp8") else None
+    out.fp8_candidates = fp8.get("candidates") if fp8.get("asked") else None  # "0 of 2" says fp8 was asked, and missed
     if gm is None:
         out.notes.append("from a report alone: pass the converted module for FLOPs, parameters and memory")
         return out

@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from amp_fx.ir.devices import device_type_of, low_dtype_for
-from amp_fx.ir.fp8_rules import Fp8Config, parse_fp8
+from amp_fx.ir.fp8_rules import Fp8Config, fp8_for_level, parse_fp8
 from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError, unknown_options_error
 
 __all__ = ["AmpConfig", "LEVELS", "make_config", "parse_dtype"]
@@ -145,7 +145,7 @@ def make_config(level: str = "O1", **overrides: Any) -> AmpConfig:
     settings = dict(defaults, **_PRESETS[level], level=level)
     settings.update({k: v for k, v in overrides.items() if v is not None})
     settings["dtype"] = parse_dtype(settings.get("dtype"))
-    settings["fp8"] = parse_fp8(settings.get("fp8"))
+    settings["fp8"] = fp8_for_level(level, settings.get("fp8"))
     if settings.get("cast_model_outputs") is False:  # "keep the outputs as the graph computes them"
         settings["cast_model_outputs"] = None
     if settings.get("cast_model_outputs") is not None and not isinstance(settings["cast_model_outputs"], torch.dtype):

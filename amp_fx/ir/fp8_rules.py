@@ -5,13 +5,16 @@ a dict of :class:`Fp8Config` fields or an :class:`Fp8Config`;
 :func:`parse_fp8` reads it.  A GEMM runs in fp8 when
 
 1. ``can_fp8`` -- it is legal: a ``linear``, or a ``matmul`` / ``mm`` /
-   ``addmm`` (``alpha = beta = 1``) whose second operand is a 2-D parameter; its K and N are static multiples of 16
+   ``addmm`` (``alpha = beta = 1``) whose second operand is a 2-D parameter; its K and N are static, nonzero multiples of 16
    (what fp8 tensor cores and ``torch._scaled_mm`` take); it is painted low
    (a GEMM the level or a policy keeps fp32 is not fp8), with an activation of
    at least 2 dims;
 2. ``should_fp8`` -- it is worth it: ``size_rule="auto"`` keeps GEMMs too small
    to gain in the low dtype, by torchao's measured H100 thresholds for its
    recipe (:data:`SIZE_RULES`); ``"all"`` takes every legal GEMM.
+
+fp8 at O0 (which rewrites nothing) is refused (:func:`fp8_for_level`); fp8 with a
+float16 low dtype is supported (the GEMMs return float16, as torchao's on an fp16 model).
 
 A policy decides first: ``"fp8"`` for a module, type or op makes its legal
 GEMMs fp8 whatever their size (with ``fp8=None``, tensorwise); ``"low"``,
@@ -26,7 +29,7 @@ from typing import Any, Mapping, Optional, Union
 
 from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError
 
-__all__ = ["Fp8Config", "parse_fp8", "can_fp8", "should_fp8", "RECIPES", "AMAX_COMPUTE", "SIZE_RULES",
+__all__ = ["Fp8Config", "parse_fp8", "fp8_for_level", "can_fp8", "should_fp8", "RECIPES", "AMAX_COMPUTE", "SIZE_RULES",
            "ALIGNMENT", "FP8_OPS"]
 
 RECIPES = ("tensorwise", "rowwise", "delayed")
@@ -118,6 +121,15 @@ def parse_fp8(value: Union[None, bool, str, Mapping, Fp8Config]) -> Optional[Fp8
                        f"{PACKAGE}.Fp8Config, got {type(value).__name__}")
 
 
+def fp8_for_level(level: str, value: Union[None, bool, str, Mapping, Fp8Config]) -> Optional[Fp8Config]:
+    """:func:`parse_fp8`, refusing fp8 at a level that rewrites nothing (O0 leaves every GEMM fp32)."""
+    config = parse_fp8(value)
+    if config is not None and level == "O0":
+        raise AmpValueError(f"fp8={value!r} does nothing at level O0, which leaves the model fp32 and unchanged: "
+                            "use level 'O1' (or 'O2' / 'O3') with fp8=, or drop fp8=")
+    return config
+
+
 def can_fp8(op: Optional[str], *, decision: Optional[str], K: Any, N: Any, act_dims: Optional[int],
             weight_is_param: bool, scaled: bool = False) -> tuple[bool, str]:
     """Legality: (True, "") when the GEMM may run in fp8, else (False, why).  ``scaled``: addmm's alpha or beta is not 1."""
@@ -131,6 +143,8 @@ def can_fp8(op: Optional[str], *, decision: Optional[str], K: Any, N: Any, act_d
         return False, "its weight operand is not a 2-D parameter"
     if not isinstance(K, int) or not isinstance(N, int):
         return False, "K or N not static"
+    if K <= 0 or N <= 0:
+        return False, f"K={K} or N={N} is empty"
     if K % ALIGNMENT or N % ALIGNMENT:
         return False, f"K={K} or N={N} not a multiple of {ALIGNMENT}"
     if act_dims is not None and act_dims < 2:

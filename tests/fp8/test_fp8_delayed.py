@@ -101,6 +101,36 @@ def test_history_and_scales_round_trip_through_state_dict():
         assert torch.equal(a, b), name
 
 
+def test_evaluation_under_no_grad_uses_the_trained_scales_and_changes_nothing():
+    """Delayed scaling records amaxes in training forwards only: an evaluation under no_grad quantizes with the
+    scales training left, so two evaluations are bit-identical and the next training step is the one an
+    uninterrupted run takes (before, each evaluation pushed its amaxes into the history)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    twin = copy.deepcopy(model)
+    batches = [(torch.randn(4, 32), torch.randn(4, 16)) for _ in range(3)]
+    probe = torch.randn(4, 32) * 10  # larger than training's inputs: recorded, it would move the scales
+
+    def train(gm, evaluate):
+        opt = torch.optim.SGD(gm.parameters(), lr=0.1)
+        outputs = []
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(gm(x), y).backward()
+            opt.step()
+            if evaluate:
+                with torch.no_grad():
+                    outputs += [gm(probe), gm(probe)]
+        return outputs
+
+    evaluated, plain = _convert(model), _convert(twin)
+    outputs = train(evaluated, evaluate=True)
+    train(plain, evaluate=False)
+    assert all(torch.equal(a, b) for a, b in zip(outputs[::2], outputs[1::2]))
+    for (name, a), (_, b) in zip(evaluated.state_dict().items(), plain.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
 def test_current_scaling_keeps_state_dict_keys():
     """Tensorwise and rowwise keep no state: the converted module's state_dict keys are the model's."""
     model = torch.nn.Linear(32, 16)

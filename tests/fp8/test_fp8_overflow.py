@@ -49,7 +49,8 @@ def _counts(tensor, scale):
     scaled = tensor.float() * scale
     quantized = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float()
     n = tensor.numel()
-    return (scaled.abs() > E4M3_MAX).sum().item() / n, ((quantized == 0) & (tensor != 0)).sum().item() / n
+    # beyond the max by more than the float32 scale's rounding (fp8_ops._record: current scaling maps amax to the max)
+    return (scaled.abs() > E4M3_MAX * (1 + 2.0 ** -22)).sum().item() / n, ((quantized == 0) & (tensor != 0)).sum().item() / n
 
 
 def test_stale_delayed_scale_on_a_planted_activation_is_reported():

@@ -45,7 +45,7 @@ def test_report_and_summary_name_every_fp8_gemm():
     assert report.to_json()  # JSON-ready with the fp8 stats
     summary = amp_fx.summary(gm)
     assert summary.fp8_gemms == 2 and summary.fp8_flop_share == 1.0
-    assert "fp8 GEMMs: 2, 100.0% of GEMM FLOPs" in str(summary)
+    assert "fp8 GEMMs: 2 of 2, 100.0% of GEMM FLOPs" in str(summary)
 
 
 def test_scales_after_a_forward_are_torchaos():
