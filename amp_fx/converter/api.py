@@ -32,7 +32,7 @@ from amp_fx.converter.pipeline import rewrite_graph
 from amp_fx.converter.specialisations import attach_specialisations
 from amp_fx.ir.policy import Policy
 from amp_fx.frontend.module_hooks import CALLED_ATTR
-from amp_fx.frontend.tracing import _TRACE_LOCK, trace_model
+from amp_fx.frontend.tracing import _TRACE_LOCK, DEFAULTS_ATTR, trace_model
 
 __all__ = ["convert"]
 
@@ -262,6 +262,7 @@ def convert(
         example_kwarg_inputs=dict(example_kwarg_inputs) if example_kwarg_inputs else None,
         module_class=AmpGraphModule, dynamic_shapes=dynamic_shapes, hook_originals=model,
     )
+    traced_defaults = dict(getattr(gm, DEFAULTS_ATTR, None) or {})  # optional inputs traced at their default (symbolic)
     _copy_missing_state(gm, source)
     _keep_state_dict_keys(gm, source)
     policy.check_op_names((canonical_op(n, gm) for n in gm.graph.nodes if n.op.startswith("call")), set().union(*tables.all_tables().values(), CAST_OPS))
@@ -296,6 +297,8 @@ def convert(
         attach_masters(result, dict(model.named_parameters(remove_duplicate=False)))
     if owns_params:
         attach_buffer_sources(result, model)
-    # torch.export route: graphs for the other train/eval mode and for omitted keyword inputs (core/specialisations.py)
-    attach_specialisations(result, model, route, example_kwarg_inputs)
+    # graphs for the other train/eval mode (torch.export route) and for the optional inputs a call gives or
+    # leaves out (both routes), built at their first call (amp_fx/converter/specialisations.py)
+    attach_specialisations(result, model, route, tuple(example_inputs) if example_inputs is not None else None,
+                           example_kwarg_inputs, traced_defaults)
     return result

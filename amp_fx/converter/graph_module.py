@@ -291,13 +291,13 @@ class AmpGraphModule(fx.GraphModule):
         if expected:
             _check_input_dtypes(expected, args, kwargs)
         specs = self.__dict__.get(SPECS_ATTR)
-        if specs is not None:  # torch.export route: the graph for this mode and these keyword inputs (core/specialisations.py)
-            kwargs = specs.select(self, args, kwargs)
+        if specs is not None:  # the graph for this mode and these optional inputs (converter/specialisations.py)
+            args, kwargs = specs.select(self, args, kwargs)
         hooks = self.__dict__.get(STATE_ATTR)
         if hooks is None or hooks.stale(self):  # a hook registered somewhere since the last call (core/live_hooks.py)
             hooks = check_hooks(self)
             if specs is not None and specs.graph is not self.__dict__.get("_graph"):  # rebuilt for a hook: pick again
-                kwargs = specs.select(self, args, kwargs)
+                args, kwargs = specs.select(self, args, kwargs)
         sync_masters(self)  # O2: masters written in place since the last call (core/master_sync.py)
         swapped = swap_in_low_copies(self)  # O2/O3 under functional_call with fp32 tensors (core/functional_params.py)
         grad = torch.is_grad_enabled()

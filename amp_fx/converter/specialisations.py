@@ -15,7 +15,10 @@ the call needs:
   default, or forward takes ``**kwargs``): the call runs a graph traced
   without it, so a GPT-2 converted with ``labels`` returns logits and no
   loss when called without them, as the model does.  A keyword the graph
-  has no input for is refused, naming it.
+  has no input for is refused, naming it; so is a constant bound into the
+  graph that a call leaves out where forward's default differs.  Positional
+  inputs past the conversion's ``example_inputs`` are matched to forward's
+  names first (``gm(x, None)`` is ``gm(x, labels=None)``).
 
 A key's graph is built at its first call (lazily: a module only ever
 trained never pays for an eval trace): ``convert()`` runs again, from the
@@ -33,12 +36,20 @@ the graph in use).  Switching back is a recompile of the kept graph
 GPT-2, once per key).
 
 On the symbolic route the graph reads ``self.training`` at run time (the
-flags are no part of the key), and its placeholders take whatever forward
-takes; a keyword input given at conversion whose default is None is the
-only key there: a call that leaves it out runs a graph traced with it
-``None`` (fx's ``concrete_args``), since fx alone would keep the branch
-``labels is not None`` takes.  Hook boundaries of the current graph are
-kept in every graph built.
+flags are no part of the key), and the key is which of forward's optional
+parameters (a ``None`` or scalar default) are graph inputs: those the
+example inputs leave out are traced at their default
+(:mod:`amp_fx.frontend.traced_defaults`), since fx alone traces each as a
+Proxy, which is never ``None``.  A call that gives one at another value
+(by name or position) runs a graph traced with it as an input; one that
+leaves out an input the graph has runs a graph traced with it at its
+default.  Where fx cannot trace such a graph (Python control flow on the
+input), the call is refused with an :class:`AmpTypeError` naming the
+input and the fix (give it in ``example_kwarg_inputs`` at conversion);
+the refusal is remembered.  A build on this route traces only with fx
+and takes the call's own inputs as its example inputs where the
+conversion had examples.  Hook boundaries of the current graph are kept
+in every graph built.
 """
 
 from __future__ import annotations
@@ -51,12 +62,15 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 from amp_fx.errors import AmpRuntimeError, AmpTypeError
 from amp_fx.frontend.export_route import split_constants
 from amp_fx.frontend.module_hooks import forcing_boundaries, sites_of
-from amp_fx.frontend.tracing import omitting_keywords
+from amp_fx.frontend.traced_defaults import is_default, optional_parameters, positional_names
+from amp_fx.frontend.tracing import FX_FAILED_IN_ATTR, AmpTraceError, tracing_for
 from amp_fx.frontend.train_flags import FROZEN_ATTR
+from amp_fx.graph_ops.fp8_ops import Fp8GemmState
 
 __all__ = ["Specialisations", "attach_specialisations", "SPECS_ATTR"]
 
@@ -91,27 +105,36 @@ def _optional_keywords(model: nn.Module, keywords: tuple[str, ...]) -> tuple[fro
 class Specialisations:
     """The keys of one converted module (see module docstring) and the graphs built for them."""
 
-    def __init__(self, gm: fx.GraphModule, model: nn.Module, example_kwarg_inputs: dict, route: str):
+    def __init__(self, gm: fx.GraphModule, model: nn.Module, example_inputs: tuple, example_kwarg_inputs: dict,
+                 route: str, traced_defaults: dict):
         self.exported = route == "torch.export"
         frozen = gm.__dict__.get(FROZEN_ATTR) or {}
         # torch.export fixed every module's flag; the symbolic route reads them at run time (its branches warn)
         self.paths = tuple(frozen) if self.exported else ()
-        tensors, constants = split_constants(model, example_kwarg_inputs)
-        self.keywords = tuple(tensors)
-        self.constants = constants if self.exported else {}  # bound into every graph: a call may repeat them
-        self.optional, self.named, self.var_kw = _optional_keywords(model, self.keywords)
-        self.positional = _positional_names(model)
-        if not self.exported:  # fx placeholders take any keyword forward names; only a None default can be traced as None
-            self.keywords = tuple(k for k in self.keywords if k in self.optional and _default(model, k) is None)
-            self.optional = frozenset(self.keywords)
+        self.positional = positional_names(model)
+        self.defaults = optional_parameters(model)  # forward's parameters with a None or scalar default
         self.model_type = type(model).__name__
+        if self.exported:
+            tensors, constants = split_constants(model, example_kwarg_inputs)
+            self.keywords = tuple(tensors)
+            self.constants = constants  # bound into every graph: a call may repeat them
+            self.optional, self.named, self.var_kw = _optional_keywords(model, self.keywords)
+            self.n_args = len(example_inputs)  # the graph takes these by position, the rest by name
+            present = self.keywords
+        else:  # fx placeholders take what forward takes: the key is which optional parameters are graph inputs
+            self.keywords = tuple(self.defaults)
+            self.constants, self.optional, self.named, self.var_kw = {}, frozenset(self.keywords), frozenset(), True
+            self.n_args = 0
+            present = tuple(k for k in self.keywords if k not in traced_defaults)
+        self.failed_in = str(gm.__dict__.get(FX_FAILED_IN_ATTR) or "")  # the torch.export route's hook advice
         # what every graph reads as the module's own: the model's parameters, buffers and modules, persistent state
         self.own = frozenset(n for n, _ in model.named_parameters(remove_duplicate=False)) | frozenset(
             n for n, _ in model.named_buffers(remove_duplicate=False)) | _persistent_buffers(gm)
         self.modules = frozenset(p for p, _ in model.named_modules())
-        self.current: _Key = (tuple(frozen[p][0] for p in self.paths), self.keywords)
+        self.current: _Key = (tuple(frozen[p][0] for p in self.paths), present)
         self.converted_key = self.current
         self.graphs: dict[_Key, _Graph] = {}
+        self.failures: dict[_Key, str] = {}  # keys whose graph could not be built: refused again without a rebuild
         self.graph: Optional[fx.Graph] = None  # the graph installed for ``current``
         self.renamed = 0
         self._modules_of: Optional[tuple[weakref.ref, list]] = None
@@ -127,11 +150,15 @@ class Specialisations:
         return state
 
     # -- per call ---------------------------------------------------------------------------
-    def select(self, gm: fx.GraphModule, args: tuple, kwargs: dict) -> dict:
-        """Install the graph this call needs; return the keyword inputs to pass it."""
-        positional = frozenset(self.positional[:len(args)])  # keyword inputs given by position (torch.export binds them)
-        kwargs = self._keywords(kwargs, positional)
-        present = tuple(k for k in self.keywords if k in kwargs or k in positional)
+    def select(self, gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Install the graph this call needs; return the positional and keyword inputs to pass it."""
+        if self.exported:
+            args, kwargs = self._by_name(args, kwargs)
+            positional = frozenset(self.positional[:len(args)])  # keyword inputs given by position (torch.export binds them)
+            kwargs = self._keywords(kwargs, positional)
+            present = tuple(k for k in self.keywords if k in kwargs or k in positional)
+        else:
+            present = self._given(args, kwargs)
         watched = self._watched(gm)
         root = gm.training
         key = (tuple(root if m is None else m.training for m in watched), present)
@@ -141,13 +168,31 @@ class Specialisations:
             self.graph = gm.__dict__.get("_graph")
             self.graphs[self.current] = _Graph(self.graph, gm.__dict__.get("amp_report"), gm.__dict__.get(FROZEN_ATTR))
         if key != self.current:
-            self._switch(gm, key)
-        return kwargs
+            self._switch(gm, key, args, kwargs)
+        return args, kwargs
+
+    def _given(self, args: tuple, kwargs: dict) -> tuple[str, ...]:
+        """Symbolic route: forward's optional parameters this call gives at a value other than their default."""
+        given = set()
+        for name, value in zip(self.positional, args):
+            if name in self.defaults and not is_default(value, self.defaults[name]):
+                given.add(name)
+        for name, value in kwargs.items():
+            if name in self.defaults and not is_default(value, self.defaults[name]):
+                given.add(name)
+        return tuple(k for k in self.keywords if k in given) if given else ()
+
+    def _by_name(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """torch.export route: positional inputs past those the conversion gave by position, passed by name."""
+        if len(args) <= self.n_args:
+            return args, kwargs
+        names = self.positional[self.n_args:len(args)]
+        if len(names) < len(args) - self.n_args or any(name in kwargs for name in names):
+            return args, kwargs  # more than forward names, or given twice: the call fails as the model's would
+        return args[:self.n_args], {**dict(zip(names, args[self.n_args:])), **kwargs}
 
     def _keywords(self, kwargs: dict, positional: frozenset = frozenset()) -> dict:
-        """The call's keyword inputs with omitted ones (``None``) and repeated constants dropped; refuse the others."""
-        if not self.exported:  # the graph's placeholders take what forward takes: only omissions matter
-            return {k: v for k, v in kwargs.items() if not (v is None and k in self.optional)}
+        """torch.export route: the call's keyword inputs with omitted ones (``None``, defaults) and repeated constants dropped; refuse the others."""
         kept = {}
         for name, value in kwargs.items():
             if name in self.keywords:
@@ -161,6 +206,8 @@ class Specialisations:
                     f"amp_fx: {name}={value!r} differs from the value the module was converted with "
                     f"({name}={self.constants[name]!r}), which is bound into its graph. Convert with "
                     f"example_kwarg_inputs={{..., {name!r}: {value!r}}} for calls with that value.")
+            elif name in self.defaults and is_default(value, self.defaults[name]):
+                continue  # forward's default: what torch.export traced with, leaving it out
             elif name not in self.named and not self.var_kw:
                 raise AmpTypeError(
                     f"amp_fx: {self.model_type}.forward takes no keyword input {name!r} (it takes "
@@ -170,6 +217,13 @@ class Specialisations:
                     f"amp_fx: keyword input {name!r} was not among example_kwarg_inputs at conversion "
                     f"({', '.join(self.keywords) or 'none'}), so the converted graph has no input for it. "
                     f"Convert with example_kwarg_inputs={{..., {name!r}: <an example>}}.")
+        for name, bound in self.constants.items():  # a constant left out: the graph runs it, the model its default
+            default = self.defaults.get(name)
+            if name not in kwargs and name not in positional and default is not None and not is_default(bound, default):
+                raise AmpTypeError(
+                    f"amp_fx: {name}={bound!r} was given at conversion and is bound into the converted graph; this "
+                    f"call leaves {name!r} out, where {self.model_type}.forward runs its default {name}={default!r}. "
+                    f"Pass {name}={bound!r}, or convert without {name!r} in example_kwarg_inputs for such calls.")
         missing = [k for k in self.keywords if k not in kept and k not in positional and k not in self.optional]
         if missing:
             raise AmpTypeError(
@@ -184,11 +238,13 @@ class Specialisations:
         return self._modules_of[1]
 
     # -- switching ------------------------------------------------------------------------------
-    def _switch(self, gm: fx.GraphModule, key: _Key) -> None:
+    def _switch(self, gm: fx.GraphModule, key: _Key, args: tuple, kwargs: dict) -> None:
         entry = self.graphs.get(key)
         built = entry is None
         if built:
-            entry = self._build(gm, key)
+            if key in self.failures:  # refused before: no second conversion to find that out
+                raise AmpTypeError(self.failures[key])
+            entry = self._build(gm, key, args, kwargs)
             self.graphs[key] = entry
         gm.graph = entry.graph  # recompiles forward from the kept graph
         if built:
@@ -197,12 +253,12 @@ class Specialisations:
         gm.__dict__[FROZEN_ATTR] = entry.frozen
         self.current, self.graph = key, entry.graph
 
-    def _build(self, gm: fx.GraphModule, key: _Key) -> _Graph:
+    def _build(self, gm: fx.GraphModule, key: _Key, args: tuple, kwargs: dict) -> _Graph:
         """Convert the model again for ``key``'s flags and keyword inputs; keep its graph, on ``gm``'s own state."""
         recipe = gm.__dict__.get(_RECIPE_ATTR)
         model = recipe.model if recipe is not None else None
         flags, present = key
-        want = _describe(self.paths, flags, present, self.keywords)
+        want = _describe(self.exported, self.paths, flags, present, self.keywords)
         if model is None:
             raise AmpRuntimeError(
                 f"amp_fx: this module needs a graph for {want}, and the model it was converted from is not known "
@@ -217,14 +273,25 @@ class Specialisations:
             except AttributeError:
                 continue
         options = dict(recipe.options)
-        examples = dict(options.get("example_kwarg_inputs") or {})
-        options["example_kwarg_inputs"] = {k: v for k, v in examples.items() if k in present or k not in self.keywords}
-        omitted = [k for k in self.keywords if k not in present]
+        if self.exported:  # the conversion's examples, less the keyword inputs this call leaves out
+            examples = dict(options.get("example_kwarg_inputs") or {})
+            options["example_kwarg_inputs"] = {k: v for k, v in examples.items() if k in present or k not in self.keywords}
+            route = tracing_for("torch.export", failed_in=self.failed_in)
+        else:
+            if options.get("example_inputs") is not None or options.get("example_kwarg_inputs"):
+                # this call's inputs are the examples (dtypes as the conversion's: checked): they hold each input it gives
+                options["example_inputs"], options["example_kwarg_inputs"] = _examples(args), _examples(kwargs) or None
+            route = tracing_for("symbolic_trace", inputs=present)
         sites = frozenset(site.path for site in sites_of(gm))  # hook boundaries the current graph has, kept
         # as convert() runs at top level: not under the caller's no_grad, inference_mode or autocast
-        with torch.inference_mode(False), torch.enable_grad(), omitting_keywords(omitted), forcing_boundaries(sites):
+        with torch.inference_mode(False), torch.enable_grad(), route, forcing_boundaries(sites):
             try:
                 new = call_without_outer_autocast(convert, source, **options)
+            except AmpTraceError as error:
+                if self.exported:
+                    raise AmpRuntimeError(f"amp_fx: could not build this module's graph for {want}: {error}") from error
+                self.failures[key] = self._untraceable(present, error)
+                raise AmpTypeError(self.failures[key]) from error
             except Exception as error:
                 raise AmpRuntimeError(f"amp_fx: could not build this module's graph for {want}: "
                                       f"{type(error).__name__}: {error}") from error
@@ -232,6 +299,24 @@ class Specialisations:
         report = new.amp_report
         report.notes.append(f"graph for {want}, built at its first call (amp_fx/converter/specialisations.py)")
         return _Graph(new.graph, report, new.__dict__.get(FROZEN_ATTR))
+
+    def _untraceable(self, present: tuple[str, ...], error: BaseException) -> str:
+        """The refusal of a call whose inputs fx cannot trace as graph inputs (symbolic route)."""
+        reason = str(error).splitlines()[0].replace("symbolic_trace failed: ", "")
+        new = [k for k in present if k not in self.converted_key[1]]
+        if not new:  # the call leaves out an input the conversion traced as one, because fx could not do without it
+            left_out = [k for k in self.converted_key[1] if k not in present] or list(self.keywords)
+            return (f"amp_fx: this call leaves out {', '.join(repr(k) for k in left_out)}, and fx cannot trace "
+                    f"{self.model_type} with {'it' if len(left_out) == 1 else 'them'} at the default ({reason}); the "
+                    f"converted graph takes {'it' if len(left_out) == 1 else 'them'} as an input: pass "
+                    f"{', '.join(f'{k}=...' for k in left_out)}.")
+        name = new[0]
+        return (f"amp_fx: {self.model_type} was converted with {name!r} traced at its default "
+                f"({name}={self.defaults.get(name)!r}: not in the example inputs), and this call gives it; fx cannot "
+                f"trace {name!r} as a graph input ({reason}). "
+                f"Give it at conversion: amp_fx.convert(model, ..., example_kwarg_inputs={{..., {name!r}: <a value "
+                "like this call's>}), which traces the model with torch.export, specialised to that value where "
+                "forward branches on it.")
 
     def _adopt(self, gm: fx.GraphModule, new: fx.GraphModule) -> None:
         """Point ``new``'s graph at ``gm``'s own parameters, buffers and modules; move its constants over."""
@@ -251,6 +336,8 @@ class Specialisations:
                         f"{getattr(mine, 'dtype', type(mine).__name__)} there: the model changed since conversion. "
                         "Convert the model again.")
                 continue
+            if isinstance(mine, Fp8GemmState) and isinstance(theirs, Fp8GemmState):
+                continue  # an fp8 GEMM's scales and amax history are the conversion's: one per GEMM, every graph's
             if mine is theirs or (mine is not None and not isinstance(mine, (torch.Tensor, nn.Module))):
                 continue  # the same object, or a plain attribute (a flag)
             if mine is not None:  # a constant of the same name in another graph: this one gets its own name
@@ -258,23 +345,6 @@ class Specialisations:
                 target = f"_amp_fx_mode{self.renamed}_{target.replace('.', '_')}"
                 node.target = target
             _assign(gm, target, theirs)
-
-
-def _positional_names(model: nn.Module) -> tuple[str, ...]:
-    """forward's parameters a caller may give by position, in order."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return ()
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(name for name, p in params.items() if p.kind in kinds)
-
-
-def _default(model: nn.Module, name: str) -> Any:
-    try:
-        return inspect.signature(model.forward).parameters[name].default
-    except (TypeError, ValueError, KeyError):
-        return inspect.Parameter.empty
 
 
 def _same(value: Any, constant: Any) -> bool:
@@ -312,10 +382,15 @@ def _flag_copy(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
     return clone
 
 
-def _describe(paths: tuple[str, ...], flags: tuple[bool, ...], present: tuple[str, ...], keywords: tuple[str, ...]) -> str:
+def _describe(exported: bool, paths: tuple[str, ...], flags: tuple[bool, ...], present: tuple[str, ...],
+              keywords: tuple[str, ...]) -> str:
+    if not exported:  # symbolic route: flags are read at run time; the key is which optional inputs are given
+        if present:
+            return f"the calls giving {', '.join(present)} (its other optional inputs at their defaults)"
+        return "the calls leaving every optional input at its default"
     modes = set(flags)
     if not modes:
-        mode = "the calls"  # symbolic route: flags are read at run time
+        mode = "the calls"
     elif len(modes) == 1:
         mode = "train mode" if True in modes else "eval mode"
     else:  # name the modules whose flag differs from the root's
@@ -328,6 +403,14 @@ def _describe(paths: tuple[str, ...], flags: tuple[bool, ...], present: tuple[st
     if omitted:
         return f"{mode} without {', '.join(omitted)}"
     return mode if modes else f"the calls with {', '.join(given)}"
+
+
+def _examples(values: Any) -> Any:
+    """A call's inputs as example inputs for a build: detached; inference tensors cloned (fake tensors refuse them)."""
+    def detach(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone() if t.is_inference() else t.detach()
+
+    return pytree.tree_map_only(torch.Tensor, detach, values)
 
 
 def _lookup(owner: nn.Module, target: str) -> Any:
@@ -386,10 +469,12 @@ def _add_stand_ins(gm: nn.Module, model: nn.Module) -> None:
         children.update(ordered)
 
 
-def attach_specialisations(gm: fx.GraphModule, model: nn.Module, route: str, example_kwarg_inputs: Optional[dict]) -> None:
+def attach_specialisations(gm: fx.GraphModule, model: nn.Module, route: str, example_inputs: Optional[tuple],
+                           example_kwarg_inputs: Optional[dict], traced_defaults: Optional[dict] = None) -> None:
     """Give a converted module its keys (see module docstring), where it has any."""
     if route == "torch.export":
         _add_stand_ins(gm, model)
-    specs = Specialisations(gm, model, dict(example_kwarg_inputs or {}), route)
+    specs = Specialisations(gm, model, tuple(example_inputs or ()), dict(example_kwarg_inputs or {}), route,
+                            dict(traced_defaults or {}))
     if specs.exported or specs.keywords:
         gm.__dict__[SPECS_ATTR] = specs

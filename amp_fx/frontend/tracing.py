@@ -7,7 +7,9 @@ that are pure functions of their parameters (Linear, Conv, LayerNorm, ...),
 so their weights appear as ``get_attr`` nodes whose casts the passes can see
 and share, and keeps as leaves the modules whose behaviour depends on
 ``self.training`` or that fx cannot trace (BatchNorm, Dropout, RNNs,
-MultiheadAttention), plus any the user names.
+MultiheadAttention), plus any the user names.  forward's optional
+parameters that the example inputs leave out are traced at their default,
+as the model's own call without them runs (amp_fx/frontend/traced_defaults.py).
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ from amp_fx.graph_ops.casts import HELPERS
 from amp_fx.errors import AmpError, AmpTypeError, UnsupportedConstructError
 from amp_fx.frontend.export_guards import watched_export
 from amp_fx.frontend.source_lines import innermost_user_frame, is_library_file
+from amp_fx.frontend.traced_defaults import describe_defaults, traced_at_default
 from amp_fx.frontend.train_flags import FROZEN_ATTR, TrainingReads
 
 __all__ = ["AmpTracer", "AmpTraceError", "trace_model", "DEFAULT_LEAF_TYPES", "module_stack_of", "user_frame",
-           "export_hook_advice", "FX_FAILED_IN_ATTR", "omitting_keywords"]
+           "export_hook_advice", "FX_FAILED_IN_ATTR", "tracing_for", "DEFAULTS_ATTR"]
 # On a module traced by torch.export: the module fx failed in ("" the model's own forward), for later advice.
 FX_FAILED_IN_ATTR = "amp_fx_fx_failed_in"
 
@@ -204,33 +207,78 @@ def _clean_path(path: str) -> str:
     return path.replace("[", ".").replace("]", "").replace("'", "")
 
 
-# Keyword inputs traced as their default None (fx's concrete_args) rather than as graph inputs:
-# set by amp_fx/converter/specialisations.py for a call that leaves them out.
-_OMITTED: contextvars.ContextVar[frozenset] = contextvars.ContextVar("amp_fx_omitted_keywords", default=frozenset())
+# Set by amp_fx/converter/specialisations.py while it builds a graph for one key: the route the converted module
+# took (a build never changes it) and, on the symbolic route, forward's optional parameters traced as inputs.
+_BUILDING: contextvars.ContextVar[Optional["_Build"]] = contextvars.ContextVar("amp_fx_building", default=None)
+# On a traced module: {name: default} of the optional parameters traced at their default (amp_fx/frontend/traced_defaults.py).
+DEFAULTS_ATTR = "amp_fx_traced_defaults"
+
+
+class _Build:
+    __slots__ = ("route", "inputs", "failed_in")
+
+    def __init__(self, route: str, inputs: Optional[frozenset], failed_in: str):
+        self.route, self.inputs, self.failed_in = route, inputs, failed_in
 
 
 @contextlib.contextmanager
-def omitting_keywords(names: Iterable[str]) -> Iterator[None]:
-    """Trace ``forward`` with the keyword inputs ``names`` fixed to None (their default) on the symbolic route.
+def tracing_for(route: str, inputs: Optional[Iterable[str]] = None, failed_in: str = "") -> Iterator[None]:
+    """Trace on ``route`` only; on the symbolic route, ``inputs`` (of forward's optional parameters) as graph inputs, the rest at their defaults.
 
-    fx traces every parameter as a Proxy, and ``labels is None`` is False
-    for a Proxy: without this, a forward that returns a loss only when
-    given labels is traced with its loss branch only.
+    For a converted module's graph for another key: it must come from the
+    route the module took (a torch.export model is not re-traced by fx, a
+    symbolic one never falls back to torch.export), and take exactly the
+    inputs the call gives.  ``failed_in`` is where fx failed at conversion
+    (the hook advice of the torch.export route).
     """
-    token = _OMITTED.set(frozenset(names))
+    token = _BUILDING.set(_Build(route, frozenset(inputs) if inputs is not None else None, failed_in))
     try:
         yield
     finally:
-        _OMITTED.reset(token)
+        _BUILDING.reset(token)
 
 
-def _symbolic_trace(model: nn.Module, tracer: AmpTracer, module_class: type) -> fx.GraphModule:
-    omitted = _OMITTED.get()
-    graph = tracer.trace(model, {name: None for name in sorted(omitted)} if omitted else None)
+def _settle_default_inputs(graph: fx.Graph, defaults: dict) -> None:
+    """Give the placeholders fx made for ``concrete_args`` forward's names, and drop the checks fx put on them.
+
+    fx names such a placeholder ``scale_1``: named ``scale`` again, the
+    converted module's forward takes ``scale=None`` by name as the model's
+    does (the node keeps fx's name).  fx checks its value in the graph
+    (``_assert_is_none``, ``torch._assert(scale_1 == 2)``): ops the model
+    never runs, which the precision passes would have to decide; the
+    converted module checks instead, before the graph runs, and runs the
+    graph traced with the input given where the call gives another value
+    (amp_fx/converter/specialisations.py).
+    """
+    for node in list(graph.nodes):
+        if node.op != "placeholder":
+            continue
+        base, _, count = str(node.target).rpartition("_")
+        if count != "1" or base not in defaults:
+            continue
+        node.target = base
+        for user in list(node.users):
+            checks = [user] + [u for u in user.users if u.op == "call_function" and u.target is torch._assert]
+            if user.op == "call_function" and len(checks) == len(user.users) + 1:
+                for check in reversed(checks):
+                    graph.erase_node(check)
+
+
+def _symbolic_trace(model: nn.Module, tracer: AmpTracer, module_class: type, defaults: dict) -> fx.GraphModule:
+    # forward's optional parameters the examples leave out are traced at their default (amp_fx/frontend/traced_defaults.py)
+    graph = tracer.trace(model, dict(defaults) if defaults else None)
+    _settle_default_inputs(graph, defaults)
     # where the converted module's clones find the original hooks (amp_fx/converter/graph_module.py _own_modules)
     setattr(graph, module_hooks.ORIGINALS_ATTR, {path: weakref.ref(m) for path, m in (tracer._hook_originals or {}).items()})
     setattr(graph, module_hooks.CALLED_ATTR, frozenset(tracer._called_paths))
-    return module_class(tracer.root, graph, type(model).__name__)
+    gm = module_class(tracer.root, graph, type(model).__name__)
+    setattr(gm, DEFAULTS_ATTR, dict(defaults))
+    if defaults:
+        gm.amp_fx_trace_notes = [
+            f"traced at their defaults, as the model runs without them (not given in example inputs, or given at "
+            f"the default): {describe_defaults(defaults)}; a call that gives one runs a graph with it as an input, "
+            "built at its first such call (amp_fx/frontend/traced_defaults.py)"]
+    return gm
 
 
 def _export_trace(model: nn.Module, args: tuple, kwargs: dict, module_class: type, dynamic_shapes: Any = None) -> fx.GraphModule:
@@ -314,19 +362,53 @@ def trace_model(
     ``dynamic_shapes`` is torch.export's (see :mod:`amp_fx.frontend.export_route`).
     ``hook_originals`` is the model whose modules' hooks the converted module
     reads at run time (``model`` itself unless it is a copy of it).
+    On the symbolic route forward's optional parameters the examples leave
+    out are traced at their default; where fx cannot trace forward with a
+    ``None`` default, those are traced as inputs instead (a report note says
+    which).  Under :func:`tracing_for` only the route named is tried.
     """
     hook_dispatch.refuse_global_hooks("at conversion")
     originals = hook_originals if hook_originals is not None else model
     tracer = AmpTracer(leaf_modules, hook_originals=dict(originals.named_modules()))
-    try:
-        with _TRACE_LOCK:
-            return _symbolic_trace(model, tracer, module_class), "symbolic_trace"
-    except UnsupportedConstructError:
-        raise  # a refusal already names the construct, its line and the routes that work
-    except Exception as error:  # any tracing failure: report it with context below
-        symbolic_error = error
-        failure = _describe_failure(error, tracer)
-        failed_in = _failing_module(tracer)
+    building = _BUILDING.get()  # a converted module's graph for another key: its own route only
+    if building is not None and building.route == "torch.export":
+        symbolic_error = None
+        failure, failed_in = "it could not at conversion", building.failed_in
+    else:
+        defaults = traced_at_default(model, example_inputs, example_kwarg_inputs,
+                                     building.inputs if building is not None else None)
+        try:
+            with _TRACE_LOCK:
+                return _symbolic_trace(model, tracer, module_class, defaults), "symbolic_trace"
+        except UnsupportedConstructError:
+            raise  # a refusal already names the construct, its line and the routes that work
+        except Exception as error:  # any tracing failure: report it with context below
+            if building is not None:
+                raise AmpTraceError(f"symbolic_trace failed: {_describe_failure(error, tracer)}") from error
+            symbolic_error = error
+            failure = _describe_failure(error, tracer)
+            failed_in = _failing_module(tracer)
+        # forward may not trace at all with a None default (`mask.unsqueeze(-1)`, `len(labels)`): those traced as inputs,
+        # as calls that give them run (a call leaving one out is then refused, naming it)
+        inputs = {name: None for name, default in defaults.items() if default is None}
+        if inputs:
+            retry = {name: default for name, default in defaults.items() if default is not None}
+            tracer = AmpTracer(leaf_modules, hook_originals=dict(originals.named_modules()))
+            try:
+                with _TRACE_LOCK:
+                    gm = _symbolic_trace(model, tracer, module_class, retry)
+            except UnsupportedConstructError:
+                raise
+            except Exception as error:  # the failure closest to the model's calls with every input: the one reported
+                symbolic_error = error
+                failure = _describe_failure(error, tracer)
+                failed_in = _failing_module(tracer)
+            else:
+                gm.amp_fx_trace_notes = list(getattr(gm, "amp_fx_trace_notes", ())) + [
+                    f"traced as graph inputs although not given in example inputs: {', '.join(inputs)} (fx could not "
+                    f"trace forward with them at their default None: {failure.splitlines()[0]}); a call that leaves "
+                    "one out is refused, naming it"]
+                return gm, "symbolic_trace"
     if example_inputs is not None or example_kwarg_inputs is not None:
         _refuse_hooks_on_export(originals, failure, failed_in)
         try:

@@ -179,3 +179,259 @@ def test_keyword_inputs_given_by_position_count_as_given():
     by_name, loss_by_name = gm(x=x, labels=labels)
     assert torch.equal(out, by_name) and torch.equal(loss, loss_by_name)
     assert torch.equal(gm(x), gm(x=x))
+
+
+# -- optional parameters the example inputs leave out (tester finding f1) --------------------------------------
+# fx traces every parameter as a Proxy, and a Proxy is never None: without tracing such a parameter at its default,
+# `if scale is not None` multiplied by None, `if labels is not None` computed a loss of None, and (silently)
+# `if past is None` dropped the offset. The conversion now traces each at its default, as model(x) runs.
+
+U = 2.0 ** -8  # bf16 unit roundoff
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x, scale=None):
+        y = self.fc(x)
+        if scale is not None:
+            y = y * scale
+        return y
+
+
+class Offset(nn.Module):
+    """The silent case: the branch fx would skip does work (no cache: add the start offset)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.register_buffer("offset", torch.full((4,), 3.0))
+
+    def forward(self, x, past=None):
+        y = self.fc(x)
+        if past is None:
+            y = y + self.offset
+        else:
+            y = y + past
+        return y
+
+
+class Labelled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x, labels=None):
+        logits = self.fc(x)
+        if labels is not None:
+            return F.cross_entropy(logits, labels)
+        return logits
+
+
+def _linear_error(fc: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """Elementwise bound on a bf16 Linear's output error against fp32.
+
+    x, W and b are each rounded to bf16 (U relative), the fp32 accumulation
+    of 16 products adds ~16 * 2**-24 (negligible), and the output is rounded
+    to bf16 once (U of at most |x| |W|^T + |b|): 4U (|x| |W|^T + |b|).
+    """
+    return 4 * U * (x.abs() @ fc.weight.detach().abs().T + fc.bias.detach().abs())
+
+
+def _grad_bounds(g: torch.Tensor, g_error: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounds on the Linear's weight and bias gradients (dW = g^T x, db = sum g) against fp32.
+
+    g is what reaches the Linear (error g_error against fp32); the bf16
+    backward rounds g and x (U each) and its result (U): (g_error + 4U|g|)^T |x|.
+    """
+    a = g_error + 4 * U * g.abs()
+    return a.T @ x.abs(), a.sum(0)
+
+
+def _run(module, x, kwargs, projection):
+    """(output, the Linear's weight and bias gradients) of one call; a loss is its own, logits are projected."""
+    module.zero_grad()
+    out = module(x, **kwargs)
+    loss = out.float() if out.dim() == 0 else (out.float() * projection).sum()
+    loss.backward()
+    fc = module.get_submodule("fc")
+    return out.detach().float(), fc.weight.grad.float(), fc.bias.grad.float()
+
+
+def _expected(case, model, x, kwargs, projection):
+    """fp32 output and gradients, and their bf16 bounds for this case (derived in the comments)."""
+    out, dw, db = _run(model, x, kwargs, projection)
+    lin_error = _linear_error(model.fc, x)
+    with torch.no_grad():
+        lin = model.fc(x)
+    if out.dim() == 0:  # cross entropy (fp32 in the graph) of logits off by e: |d loss| <= 2 max e per sample, mean
+        e = lin_error.amax(1, keepdim=True)
+        out_bound = 2 * e.max()
+        p = lin.softmax(-1)
+        g = (p - F.one_hot(kwargs["labels"], 4)) / x.shape[0]
+        g_error = 3 * e * p / x.shape[0]  # softmax moves by p (e^{2e} - 1) <= 3 e p for e < 0.1
+    else:  # y * s (s = 2: exact) or y + offset / past (one more bf16 rounding at O2): s e_lin + 2U |y|
+        s = abs(kwargs.get("scale", 1.0))
+        out_bound = s * lin_error + 2 * U * out.abs()
+        g = (projection * s).expand_as(out)
+        g_error = torch.zeros_like(g)  # a constant projection, exact in bf16 (powers of two)
+    dw_bound, db_bound = _grad_bounds(g, g_error, x)
+    return (out, dw, db), (out_bound, dw_bound, db_bound)
+
+
+def _check(got, expected, bounds):
+    for name, a, b, bound in zip(("output", "weight grad", "bias grad"), got, expected, bounds):
+        excess = ((a - b).abs() - bound).max().item()
+        assert excess <= 1e-6, f"{name}: error exceeds its bf16 bound by {excess}"
+
+
+CASES = {
+    "scale": (Scaled, lambda x: {"scale": 2.0}),
+    "past": (Offset, lambda x: {"past": torch.full((4,), 0.5)}),
+    "labels": (Labelled, lambda x: {"labels": torch.randint(0, 4, (x.shape[0],))}),
+}
+
+
+@pytest.mark.parametrize("examples", ["none", "x"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_optional_input_left_out_at_conversion_is_traced_at_its_default(case, level, examples):
+    """gm(x) computes model(x); gm(x, kw=...) builds a graph with kw as an input: outputs and gradients within bf16."""
+    torch.manual_seed(0)
+    build, given = CASES[case]
+    model = build()
+    x = torch.randn(8, 16)
+    projection = torch.tensor([1.0, -0.5, 0.25, 2.0])
+    options = {} if examples == "none" else {"example_inputs": (x,)}
+    gm = amp_fx.convert(model, level, dtype=torch.bfloat16, **options)
+    assert gm.amp_report.route == "symbolic_trace"
+    note = [n for n in gm.amp_report.notes if n.startswith("traced at their defaults")]
+    assert note and f"{case}=None" in note[0]
+    plain = _run(gm, x, {}, projection)
+    _check(plain, *_expected(case, model, x, {}, projection))
+    kwargs = given(x)
+    with_kw = _run(gm, x, kwargs, projection)
+    _check(with_kw, *_expected(case, model, x, kwargs, projection))
+    assert any(f"giving {case}" in n for n in gm.amp_report.notes)  # the report of the graph in use says so
+    # the same graph by position, and the first graph again, kept: the same kernels on the same inputs
+    assert torch.equal(_run(gm, x, {}, projection)[0], plain[0])
+    assert torch.equal(gm(x, *kwargs.values()).detach().float(), with_kw[0])
+    assert torch.equal(gm(x, **{case: None}).detach().float(), plain[0])
+
+
+class Flagged(nn.Module):
+    """A flag fx cannot trace as a graph input (Python control flow on it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x, return_dict=True, k: int = 2):
+        y = self.fc(x) * k
+        return {"y": y} if return_dict else y
+
+
+def test_a_default_fx_cannot_take_as_an_input_is_refused_by_name():
+    torch.manual_seed(0)
+    model = Flagged()
+    x = torch.randn(8, 16)
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    note = [n for n in gm.amp_report.notes if n.startswith("traced at their defaults")][0]
+    assert "return_dict=True" in note and "k=2" in note
+    out = gm(x)["y"]
+    assert torch.equal(gm(x, return_dict=True)["y"], out) and torch.equal(gm(x, True, 2)["y"], out)  # the defaults
+    for _ in range(2):  # refused again without another conversion
+        with pytest.raises(AmpTypeError, match=r"'return_dict' traced at its default.*example_kwarg_inputs"):
+            gm(x, return_dict=False)
+    # k is arithmetic: a graph with it as an input; y * 3 in bf16 rounds once more (U of |y|)
+    tripled = gm(x, k=3)["y"].float()
+    torch.testing.assert_close(tripled, 1.5 * out.float(), atol=0, rtol=3 * U)
+    assert torch.equal(gm(x)["y"], out)
+
+
+class ExportOnly(nn.Module):
+    """fx fails on the size branch, so torch.export traces it; it runs forward's defaults for what is not given."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.register_buffer("offset", torch.full((4,), 3.0))
+
+    def forward(self, x, labels=None, past=None, mode: str = "mean"):
+        y = self.fc(x if x.shape[0] > 0 else x + 1)
+        if past is None:
+            y = y + self.offset
+        if mode == "sum":
+            y = y * 2
+        if labels is not None:
+            return F.cross_entropy(y, labels)
+        return y
+
+
+@pytest.mark.parametrize("options", ["example_inputs", "example_kwarg_inputs"])
+def test_export_route_runs_forward_defaults_for_what_the_examples_leave_out(options):
+    torch.manual_seed(0)
+    model = ExportOnly()
+    x, labels = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    examples = {"example_inputs": (x,)} if options == "example_inputs" else {"example_kwarg_inputs": {"x": x}}
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16, **examples)
+    assert gm.amp_report.route == "torch.export"
+    out = gm(x).float()
+    # y + offset in fp32 after the bf16 Linear: the Linear's bound and one rounding of |y| (see _linear_error)
+    with torch.no_grad():
+        expected = model(x)
+    assert ((out - expected).abs() - (_linear_error(model.fc, x) + U * expected.abs())).max() <= 1e-6
+    assert torch.equal(gm(x, None).float(), out)  # a default given by position
+    for call in (lambda: gm(x, labels), lambda: gm(x, labels=labels)):
+        with pytest.raises(AmpTypeError, match=r"'labels' was not among example_kwarg_inputs.*'labels': <an example>"):
+            call()
+
+
+def test_export_route_refuses_a_bound_constant_left_out_where_the_default_differs():
+    x = torch.randn(8, 16)
+    gm = amp_fx.convert(ExportOnly(), "O1", dtype=torch.bfloat16, example_kwarg_inputs={"x": x, "mode": "sum"})
+    gm(x=x, mode="sum")
+    with pytest.raises(AmpTypeError, match=r"mode='sum' was given at conversion.*default mode='mean'"):
+        gm(x=x)
+
+
+def test_hf_model_converted_without_labels_refuses_them_by_name():
+    torch.manual_seed(0)
+    model = _gpt2().eval()
+    ids = torch.randint(0, 128, (2, 12))
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16, example_kwarg_inputs={"input_ids": ids})
+    assert gm.amp_report.route == "torch.export"
+    out = gm(input_ids=ids)
+    assert out.loss is None  # torch.export ran forward with labels=None, its default
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = copy.deepcopy(model)(input_ids=ids)
+    torch.testing.assert_close(out.logits.float(), expected.logits.float(), atol=LOGIT_ATOL, rtol=0)
+    with pytest.raises(AmpTypeError, match=r"'labels' was not among example_kwarg_inputs"):
+        gm(input_ids=ids, labels=ids)
+
+
+class Masked(nn.Module):
+    """forward cannot run at its default (None has no unsqueeze): the mask is a graph input although not given at conversion."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x, mask=None):
+        return self.fc(x) * mask.unsqueeze(-1)
+
+
+def test_an_input_forward_cannot_do_without_stays_an_input_and_leaving_it_out_is_refused():
+    torch.manual_seed(0)
+    model = Masked()
+    x, mask = torch.randn(8, 16), (torch.rand(8) > 0.5).float()
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    assert any(n.startswith("traced as graph inputs") and "mask" in n for n in gm.amp_report.notes)
+    out = gm(x, mask).float()
+    with torch.no_grad():  # times a 0/1 mask: exact, so the Linear's bound alone (see _linear_error)
+        assert ((out - model(x, mask)).abs() - _linear_error(model.fc, x)).max() <= 1e-6
+    with pytest.raises(AmpTypeError, match=r"leaves out 'mask'.*pass mask=\.\.\."):
+        gm(x)
+    assert torch.equal(gm(x, mask=mask).float(), out)

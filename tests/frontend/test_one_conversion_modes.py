@@ -233,3 +233,34 @@ def test_per_module_flags_reach_modules_torch_export_drops():
         expected = reference(input_ids=ids).logits
     torch.testing.assert_close(first.float(), expected.float(), atol=LOGIT_ATOL, rtol=0)
     assert all(m.training for m in model.modules())  # the model's flags are its own
+
+
+def test_every_graph_shares_the_conversions_fp8_state():
+    """Delayed fp8 scaling on the export route: the eval graph and a graph without labels quantize with the
+    scales training built and update the one amax history, and state_dict keeps its keys. Before, each new graph
+    got a fresh history (its first call quantized at scale 1) under new keys, and a checkpoint saved after an eval
+    did not load into a fresh conversion."""
+    def build():
+        torch.manual_seed(0)
+        return amp_fx.convert(_gpt2(0.0).train(), "O1", fp8={"recipe": "delayed", "size_rule": "all"},
+                              example_kwarg_inputs=_batch())
+
+    gm = build()
+    opt = torch.optim.AdamW(gm.parameters(), lr=1e-3)
+    for _ in range(3):
+        opt.zero_grad()
+        gm(**_batch()).loss.backward()
+        opt.step()
+    keys, states = set(gm.state_dict()), dict(gm.amp_fx_fp8.named_children())
+    history = states["transformer_h_0_attn_c_attn"].amax_history
+    recorded = history.clone()
+    gm.eval()
+    with torch.no_grad():
+        gm(**_batch())
+    gm.train()
+    gm(input_ids=_batch()["input_ids"])  # another graph: no labels
+    assert set(gm.state_dict()) == keys and dict(gm.amp_fx_fp8.named_children()) == states
+    assert not torch.equal(history, recorded)  # the other graphs updated the one history
+    fresh = build()
+    fresh.load_state_dict(gm.state_dict())  # a checkpoint saved after eval loads into a fresh conversion
+    assert torch.equal(fresh.amp_fx_fp8.transformer_h_0_attn_c_attn.amax_history, history)
