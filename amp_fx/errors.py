@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 __all__ = [
     "AmpError", "AmpValueError", "AmpTypeError", "AmpRuntimeError", "AmpKeyError", "AmpIndexError",
-    "AmpNotImplementedError",
+    "AmpNotImplementedError", "AmpAttributeError",
     "BannedOpError", "UnknownOpError", "AlreadyConvertedError", "UnsupportedConstructError",
     "did_you_mean", "unknown_options_error", "checks_keywords", "PACKAGE",
 ]
@@ -51,6 +51,11 @@ class AmpKeyError(AmpError, KeyError):
 
 class AmpIndexError(AmpError, IndexError):
     """An index out of range, e.g. a ``loss_id`` beyond ``num_losses`` (an IndexError too)."""
+
+
+class AmpAttributeError(AmpError, AttributeError):
+    """An attribute of the original model a converted module does not carry, e.g. a method other than forward
+    (an AttributeError too, so ``hasattr`` answers False)."""
 
 
 class AmpNotImplementedError(AmpError, NotImplementedError):

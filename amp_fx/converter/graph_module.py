@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from amp_fx.converter.buffer_state import SOURCES_ATTR, load_buffer_sources, source_value
 from amp_fx.converter.live_hooks import RECIPE_ATTR, STATE_ATTR, check_hooks
+from amp_fx.converter.model_attributes import model_attribute
 from amp_fx.graph_ops.master_sync import sync_masters, track_masters
 from amp_fx.graph_ops.outer_autocast import call_without_outer_autocast
 from amp_fx.graph_ops.hook_dispatch import COMPUTATION_HOOKS
@@ -312,6 +313,13 @@ class AmpGraphModule(fx.GraphModule):
         finally:
             if swapped:
                 restore_swapped(swapped)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass  # not bound: a raised error held in a frame would keep that frame's locals (a process group) alive
+        return model_attribute(self, name)  # an attribute only the original model has (converter/model_attributes.py)
 
     def train(self, mode: bool = True) -> "AmpGraphModule":
         """Set train/eval mode on this module and its own submodules.

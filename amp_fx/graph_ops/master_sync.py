@@ -49,7 +49,7 @@ _BY_MASTER: WeakIdKeyDictionary = WeakIdKeyDictionary()
 class MasterSync:
     """A converted module's (low copy, master) pairs and each master's version when its low copy was written."""
 
-    __slots__ = ("source", "names", "lows", "masters", "versions", "level", "recopies", "__weakref__")
+    __slots__ = ("source", "names", "lows", "masters", "versions", "grad_flags", "level", "recopies", "__weakref__")
 
     def __init__(self, module: nn.Module, masters: dict) -> None:
         self.source = masters  # the module's amp_fx_masters dict: another one (FSDP2's shards) means rebuild
@@ -61,6 +61,7 @@ class MasterSync:
         self.lows = [low for _, low, _ in pairs]
         self.masters = [m for _, _, m in pairs]
         self.versions = [m._version for m in self.masters]
+        self.grad_flags = [m.requires_grad for m in self.masters]
         self.recopies = 0  # how many low copies were written again (tests count them)
         ref = weakref.ref(self)
         for index, master in enumerate(self.masters):
@@ -75,6 +76,15 @@ class MasterSync:
         versions = list(map(_VERSION, self.masters))
         if versions != self.versions:
             self.copy(i for i, (now, then) in enumerate(zip(versions, self.versions)) if now != then)
+        flags = [m.requires_grad for m in self.masters]
+        if flags != self.grad_flags:
+            # The model's parameter was frozen or unfrozen (requires_grad_, Lightning's toggle_optimizer): its low
+            # copy follows, or it would keep collecting gradients its optimizer then steps. Only a change is
+            # passed on, so freezing the converted module's own copy directly still holds.
+            for index, (now, then) in enumerate(zip(flags, self.grad_flags)):
+                if now != then and self.lows[index].is_leaf:
+                    self.lows[index].requires_grad_(now)
+            self.grad_flags = flags
 
     def copy(self, indices: Iterable[int]) -> None:
         """Write the masters at ``indices`` into their low copies (rounded), and record their versions."""

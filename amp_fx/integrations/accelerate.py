@@ -78,6 +78,34 @@ class AcceleratedLossScaler(LossScaler):
 
 
 
+def _clip_masters(accelerator: "accelerate.Accelerator", converted: nn.Module, optimizer: Any, scaler: LossScaler) -> None:
+    """At O2, ``accelerator.clip_grad_norm_/value_(model.parameters(), ...)`` clips what the step uses: the masters.
+
+    The usual Accelerate line clips the model's parameters, which at O2 are the low copies: their gradients
+    are not what the optimizer steps (it steps the fp32 masters' copies of them), so the clip did nothing
+    (fp16: it also read still-scaled gradients, a norm of inf). Low parameters are replaced by their masters,
+    after the scaler's unscale_ when it has not run this step.
+    """
+    masters = getattr(converted, "amp_fx_masters", None) or {}
+    master_of = {id(low): masters[name] for name, low in converted.named_parameters()
+                 if name in masters and masters[name] is not low}
+    if not master_of:
+        return
+
+    def redirected(clip: Any) -> Any:
+        def clip_what_the_step_uses(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            if any(id(p) in master_of for p in params):
+                if not scaler.is_unscaled(optimizer):
+                    scaler.unscale_(optimizer)  # the masters' gradients, copied and unscaled
+                params = list({id(q): q for q in (master_of.get(id(p), p) for p in params)}.values())
+            return clip(params, *args, **kwargs)
+        return clip_what_the_step_uses
+
+    accelerator.clip_grad_norm_ = redirected(accelerator.clip_grad_norm_)
+    accelerator.clip_grad_value_ = redirected(accelerator.clip_grad_value_)
+
+
 def prepare(accelerator: "accelerate.Accelerator", model: nn.Module, optimizer: torch.optim.Optimizer, *others: Any,
             level: str = "O1", dtype: Union[None, str, torch.dtype] = None, scaler: Optional[LossScaler] = None,
             **convert_options: Any) -> tuple:
@@ -118,8 +146,10 @@ def prepare(accelerator: "accelerate.Accelerator", model: nn.Module, optimizer: 
     elif not isinstance(scaler, AcceleratedLossScaler):
         scaler = AcceleratedLossScaler.adopt(scaler, accelerator)  # the returned one follows accelerator.accumulate()
     prepared_model, prepared_opt, *prepared = accelerator.prepare(converted, optimizer, *others)
-    if isinstance(optimizer, MasterWeightOptimizer) and prepared_opt is not optimizer:
-        # LossScaler finds the masters through AcceleratedOptimizer.optimizer; the user clips them by this name.
-        prepared_opt.master_parameters = optimizer.master_parameters
+    if isinstance(optimizer, MasterWeightOptimizer):
+        if prepared_opt is not optimizer:
+            # LossScaler finds the masters through AcceleratedOptimizer.optimizer; the user clips them by this name.
+            prepared_opt.master_parameters = optimizer.master_parameters
+        _clip_masters(accelerator, converted, prepared_opt, scaler)
     accelerator.register_for_checkpointing(scaler)
     return (prepared_model, prepared_opt, scaler, *prepared)

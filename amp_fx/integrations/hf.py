@@ -126,6 +126,14 @@ class AmpFxTrainer(transformers.Trainer):
         self.amp_options = dict(amp_options or {})
         self.amp_model: Optional[nn.Module] = None  # what compute_loss calls in place of self.model
         if amp_level in _BACKEND_LEVELS:
+            fp8 = self.amp_options.get("fp8")
+            recipe = fp8.get("recipe") if isinstance(fp8, dict) else getattr(fp8, "recipe", fp8)
+            if recipe == "delayed":
+                raise AmpValueError(
+                    f"AmpFxTrainer(amp_level={amp_level!r}, amp_options={{'fp8': 'delayed', ...}}): at O0/O1 the Trainer "
+                    "runs the torch.compile backend, which cannot keep delayed scaling's amax history in the model. "
+                    "Use amp_level='O2' (the model is converted, the history lives in its buffers and checkpoints), "
+                    "or fp8='tensorwise' / 'rowwise'.")
             compiler = backend(level=amp_level, dtype=dtype, **self.amp_options)
             self.amp_model = torch.compile(self.model, backend=compiler)
         self._masters: Optional[MasterWeightOptimizer] = None

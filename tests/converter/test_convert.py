@@ -362,3 +362,35 @@ def test_export_route_is_used_when_symbolic_tracing_fails():
         gm(*example)
     gemm_dtypes = rec.dtypes_of({"addmm", "mm", "bmm", "linear", "_scaled_dot_product_flash_attention_for_cpu"})
     assert gemm_dtypes and all(d == {torch.bfloat16} for d in gemm_dtypes.values()), gemm_dtypes
+
+
+def test_attributes_only_the_model_has_are_read_or_refused_by_name():
+    """Code around a converted module reads the model's interface (a LightningModule's self.model.hidden_size,
+    self.model.encode(x)). Plain values are read from the model (no computation, no precision at stake); a method
+    would run the unconverted fp32 code, and a loose tensor bypass the conversion: both refused by name."""
+    class Net(nn.Module):
+        label = "net"
+
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.hidden_size, self.sizes = 4, {"in": 4, "out": 4}
+            self.loose = torch.ones(4)  # neither parameter nor buffer
+
+        def encode(self, x):
+            return self.fc(x)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    model = Net()
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
+    assert (gm.hidden_size, gm.sizes, gm.label) == (4, {"in": 4, "out": 4}, "net")
+    with pytest.raises(amp_fx.AmpAttributeError, match="'encode' is a method of Net.*runs forward only"):
+        gm.encode(torch.randn(2, 4))
+    assert not hasattr(gm, "encode")  # an AttributeError too
+    with pytest.raises(amp_fx.AmpAttributeError, match=r"Net.loose \(Tensor\) is not part of the converted module"):
+        gm.loose
+    with pytest.raises(AttributeError, match="no attribute 'nothing'") as missing:
+        gm.nothing
+    assert not isinstance(missing.value, amp_fx.AmpError)

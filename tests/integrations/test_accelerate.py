@@ -156,3 +156,32 @@ def test_accelerate_accumulate_idiom_equals_stepping_only_on_the_sync_micro_batc
     for ours, theirs in zip(idiom, guarded):
         assert torch.equal(ours, theirs)
     assert not all(torch.equal(p, q) for p, q in zip(idiom, _setup()[0].parameters()))  # it trained
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_o2_clipping_model_parameters_clips_the_masters(dtype):
+    """The usual Accelerate line, accelerator.clip_grad_norm_(model.parameters(), ...), at O2: before, it clipped
+    the low copies, whose gradients the step does not use (a run clipped at 0.01 equalled the unclipped one; fp16
+    read still-scaled gradients, a norm of inf). It now clips the masters, unscaling first: bit-exact to clipping
+    opt.master_parameters() after scaler.unscale_."""
+    def run(clip):
+        accelerator, model, opt, scaler, loader = _amp_fx("O2", dtype, **({"init_scale": 2.0**10} if dtype == "fp16" else {}))
+        norms = []
+        for x, y in loader:
+            opt.zero_grad()
+            accelerator.backward(scaler.scale(F.cross_entropy(model(x), y)))
+            if clip == "model":
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.01).item())
+            elif clip == "masters":
+                scaler.unscale_(opt)
+                norms.append(accelerator.clip_grad_norm_(opt.master_parameters(), 0.01).item())
+            scaler.step(opt)
+            scaler.update()
+        return [p.detach().clone() for p in opt.master_parameters()], norms
+
+    through_model, norms = run("model")
+    through_masters, master_norms = run("masters")
+    unclipped, _ = run(None)
+    assert norms == master_norms and all(0 < n < float("inf") for n in norms)
+    assert all(torch.equal(a, b) for a, b in zip(through_model, through_masters))
+    assert not all(torch.equal(a, b) for a, b in zip(through_model, unclipped))

@@ -429,3 +429,32 @@ def test_o2_master_weight_optimizer_steps_write_each_low_copy_once_no_recopy(bui
         gm(x)  # a call after the step must not copy the masters again
         assert {n: p._version - versions[n] for n, p in lows.items()} == {n: 1 for n in lows}  # the step's one copy
     _assert_like_a_fresh_conversion(gm, model, x)
+
+
+def test_freezing_a_master_freezes_its_low_copy_and_only_a_change_is_passed_on():
+    """requires_grad_(False) on the model's parameter (an O2 master; what Lightning's toggle_optimizer does) reaches
+    the low copy at the next call: before, the copy kept collecting gradients, which MasterWeightOptimizer stepped
+    (a 'frozen' layer moved by 0.4; a GAN's discriminator stepped on the generator loss's gradients)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    gm = amp_fx.convert(model, "O2", dtype=torch.bfloat16)
+    opt = amp_fx.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), gm)
+    x = torch.randn(8, 8)
+
+    def step():
+        opt.zero_grad()
+        gm(x).float().square().mean().backward()
+        opt.step()
+
+    model[0].weight.requires_grad_(False)
+    before, other = model[0].weight.clone(), model[2].weight.clone()
+    step()
+    assert not gm.get_parameter("0.weight").requires_grad
+    assert torch.equal(model[0].weight, before) and not torch.equal(model[2].weight, other)
+    model[0].weight.requires_grad_(True)
+    step()
+    assert not torch.equal(model[0].weight, before)  # unfrozen: it trains again
+    gm.get_parameter("2.weight").requires_grad_(False)  # freezing the converted copy itself still holds
+    other = model[2].weight.clone()
+    step()
+    assert not gm.get_parameter("2.weight").requires_grad and torch.equal(model[2].weight, other)
