@@ -43,7 +43,7 @@ from amp_fx.converter import weight_computations
 from amp_fx.frontend.tracing import FX_FAILED_IN_ATTR, export_hook_advice
 from amp_fx.frontend.module_hooks import bind_sites, forcing_boundaries, graph_modules, sites_of
 
-__all__ = ["ConversionRecipe", "HookState", "check_hooks", "RECIPE_ATTR", "STATE_ATTR"]
+__all__ = ["ConversionRecipe", "HookState", "check_hooks", "lookup_target", "own_attribute", "RECIPE_ATTR", "STATE_ATTR"]
 
 RECIPE_ATTR = "amp_fx_recipe"  # carried by deepcopy (shared) and pickle (emptied): AMP_ATTRIBUTES
 STATE_ATTR = "_amp_fx_hook_state"  # per module object; rebuilt after a copy
@@ -223,10 +223,25 @@ def _rebuild(gm: fx.GraphModule, state: HookState, found: list) -> None:
         "the graph has hook boundaries there now (the module's own parameters, buffers and hooks kept)")
 
 
-def _lookup(owner: nn.Module, target: str) -> Any:
+def own_attribute(owner: Any, atom: str) -> Any:
+    """``owner.atom`` from what a module holds itself (parameters, buffers, submodules, attributes), else None.
+
+    Not ``getattr``: a converted module answers some names it lacks from the original model
+    (converter/model_attributes.py), which a graph target must never resolve to.
+    """
+    if isinstance(owner, nn.Module):
+        for store in (owner._parameters, owner._buffers, owner._modules, owner.__dict__):
+            if atom in store:
+                return store[atom]
+        return None
+    return getattr(owner, atom, None)
+
+
+def lookup_target(owner: nn.Module, target: str) -> Any:
+    """The object a graph's dotted ``get_attr`` / ``call_module`` target names in ``owner``, or None."""
     value: Any = owner
     for atom in target.split("."):
-        value = getattr(value, atom, None)
+        value = own_attribute(value, atom)
         if value is None:
             return None
     return value
@@ -235,7 +250,7 @@ def _lookup(owner: nn.Module, target: str) -> Any:
 def _assign(owner: nn.Module, target: str, value: Any) -> None:
     *prefix, leaf = target.split(".")
     for atom in prefix:
-        owner = getattr(owner, atom)
+        owner = own_attribute(owner, atom)
     if isinstance(value, nn.Module):
         owner._modules[leaf] = value
     elif isinstance(value, nn.Parameter):
@@ -256,14 +271,14 @@ def _swap(gm: fx.GraphModule, new: fx.GraphModule) -> None:
     bodies = [g for g in graph_modules(new) if g is not new]
     for body in bodies:  # checkpointed regions call gm's leaf modules, not new's
         for node in body.graph.nodes:
-            mine = _lookup(gm, str(node.target)) if node.op == "call_module" else None
+            mine = lookup_target(gm, str(node.target)) if node.op == "call_module" else None
             if mine is not None:
                 _assign(body, str(node.target), mine)
     for node in new.graph.nodes:
         if node.op not in ("get_attr", "call_module"):
             continue
         target = str(node.target)
-        mine, theirs = _lookup(gm, target), _lookup(new, target)
+        mine, theirs = lookup_target(gm, target), lookup_target(new, target)
         if mine is None or _fresh(target):
             _assign(gm, target, theirs)
         elif isinstance(theirs, torch.Tensor) and (not isinstance(mine, torch.Tensor) or mine.shape != theirs.shape

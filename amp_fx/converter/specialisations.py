@@ -65,6 +65,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from amp_fx.errors import AmpRuntimeError, AmpTypeError
+from amp_fx.converter.live_hooks import lookup_target, own_attribute
 from amp_fx.frontend.export_route import split_constants
 from amp_fx.frontend.module_hooks import forcing_boundaries, sites_of
 from amp_fx.frontend.traced_defaults import is_default, optional_parameters, positional_names
@@ -324,7 +325,7 @@ class Specialisations:
             if node.op not in ("get_attr", "call_module"):
                 continue
             target = str(node.target)
-            mine, theirs = _lookup(gm, target), _lookup(new, target)
+            mine, theirs = lookup_target(gm, target), lookup_target(new, target)
             if target in self.own or (node.op == "call_module" and target in self.modules):
                 if mine is None:
                     _assign(gm, target, theirs)
@@ -413,19 +414,10 @@ def _examples(values: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, detach, values)
 
 
-def _lookup(owner: nn.Module, target: str) -> Any:
-    value: Any = owner
-    for atom in target.split("."):
-        value = getattr(value, atom, None)
-        if value is None:
-            return None
-    return value
-
-
 def _assign(owner: nn.Module, target: str, value: Any) -> None:
     *prefix, leaf = target.split(".")
     for atom in prefix:
-        child = getattr(owner, atom, None)
+        child = own_attribute(owner, atom)
         if child is None:
             child = nn.Module()
             owner.add_module(atom, child)
