@@ -9,11 +9,9 @@ FSDP2 averages their gradients, so both see the same mean gradient).
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -21,6 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import amp_fx
 from amp_fx.runtime import LossScaler, MasterWeightOptimizer
 from amp_fx.runtime.distributed import convert_for_sharding, init_optimizer_state, local_tensor
+
+from ranks import free_port, init_gloo, spawn  # tests/ranks.py (tests/conftest.py puts tests/ on the path)
 
 WORLD = 2
 STEPS = 5
@@ -213,9 +213,8 @@ def _load(gm, opt, scaler, ckpt_dir):
 
 # ------------------------------------------------------------------ launching
 def _worker(rank: int, port: int, out_dir: str, jobs: list) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    init_gloo(rank, WORLD, port)
     try:
         results = {}
         for name, kwargs in jobs:
@@ -232,16 +231,11 @@ def _worker(rank: int, port: int, out_dir: str, jobs: list) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(out_dir: str, jobs: list) -> list[dict]:
     """Run ``jobs`` ([(name, train kwargs)]) on 2 spawned ranks; return each rank's {name: result}."""
-    mp.spawn(_worker, args=(free_port(), out_dir, jobs), nprocs=WORLD)
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    paths = [os.path.join(out_dir, f"rank{r}.pt") for r in range(WORLD)]
+    spawn(_worker, (free_port(), out_dir, jobs), WORLD, paths)
+    return [torch.load(path, weights_only=False) for path in paths]
 
 
 # ------------------------------------------------------------ Hugging Face GPT-2

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+import gc
 import os
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import amp_fx
 
+from ranks import free_port, init_gloo, spawn  # tests/ranks.py (tests/conftest.py puts tests/ on the path)
+
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    init_gloo(rank, 2, port)
     try:
         torch.manual_seed(0)  # the same model on both ranks
         model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
@@ -35,10 +35,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 def launch(out_dir: str) -> list[dict]:
     """Run the two ranks; return each rank's {gemm: (scale, amax_history)}."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, out_dir), nprocs=2)
+    paths = [os.path.join(out_dir, f"rank{r}.pt") for r in range(2)]
+    spawn(_worker, (free_port(), out_dir), 2, paths)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
 
 
@@ -48,9 +46,8 @@ def _counting_worker(rank: int, port: int, out_dir: str, ddp: bool) -> None:
     ``ddp``: under DistributedDataParallel with its default buffer broadcast (its gradient all-reduce and
     broadcast run in C++ and are not counted: the count is amp_fx's).
     """
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    init_gloo(rank, 2, port)
     calls = []
     real = dist.all_reduce
 
@@ -95,13 +92,17 @@ def _counting_worker(rank: int, port: int, out_dir: str, ddp: bool) -> None:
                    os.path.join(out_dir, f"count{rank}{'ddp' if ddp else ''}.pt"))
     finally:
         dist.all_reduce = real
+        # DDP's reducer holds the group: freed after destroy_process_group, it would be the group's last owner, and
+        # its destructor joins gloo's worker threads while holding the GIL one of them may need (a deadlock seen
+        # here about 1 run in 12). Free it while the group is still registered, once every rank's work is done.
+        net = None
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 
 def launch_counting(out_dir: str, ddp: bool = False) -> list[dict]:
     """Run the counting ranks; return each rank's per-step all_reduce counts, sizes, local input amaxes and GEMM 0's state."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_counting_worker, args=(port, out_dir, ddp), nprocs=2)
-    return [torch.load(os.path.join(out_dir, f"count{r}{'ddp' if ddp else ''}.pt")) for r in range(2)]
+    paths = [os.path.join(out_dir, f"count{r}{'ddp' if ddp else ''}.pt") for r in range(2)]
+    spawn(_counting_worker, (free_port(), out_dir, ddp), 2, paths)
+    return [torch.load(path) for path in paths]
