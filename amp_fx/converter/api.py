@@ -247,6 +247,7 @@ def convert(
         fuse_precision=fuse_precision, cache_casts=cache_casts, fp8=fp8,
     ).for_device(device)
     policy = Policy.coerce(policy)
+    policy.check_level(config.level)
     if isinstance(model, AmpGraphModule) and hasattr(model, "amp_config"):
         return _reconvert(model, config)
     module_names = [name for name, _ in model.named_modules()]

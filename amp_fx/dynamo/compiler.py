@@ -155,6 +155,7 @@ class AmpBackend:
         _check_options(options)
         self.config = make_config(level, dtype=dtype, pad_gemm=pad_gemm, **options)
         self.policy = Policy.coerce(policy)
+        self.policy.check_level(self.config.level)
         self.inner_fn, self.inner_name = _resolve_inner(inner)
         self.report = self._new_report()
         self.watches = watch.Watches()  # per compiled model: did Dynamo leave anything to convert?

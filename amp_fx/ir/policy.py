@@ -218,6 +218,19 @@ class Policy:
         raise AmpTypeError(f"policy must be an amp_fx.Policy or a dict, got {type(policy).__name__}")
 
     # -- checking ---------------------------------------------------------
+    def check_level(self, level: str) -> None:
+        """Raise if a rule asks for low precision at a level that decides nothing (O0 leaves every op fp32).
+
+        A ``"fp32"``, ``"follow"`` or ``"promote"`` rule already holds at O0; a ``"low"`` or ``"fp8"`` one would be
+        silently ignored there.
+        """
+        if level != "O0":
+            return
+        lowering = [rule.describe() for rule in self.rules if rule.decision in ("low", "fp8")]
+        if lowering:
+            raise AmpValueError(f"level O0 leaves the model fp32 and unchanged, so these policy rules would do nothing: "
+                                f"{'; '.join(lowering)}. Use level 'O1' (or 'O2' / 'O3') with the policy, or drop them")
+
     def validate_against(self, module_names: Sequence[str]) -> None:
         """Raise if an exact or glob module rule names no module of the model (with close matches)."""
         names = [n for n in module_names if n]

@@ -167,3 +167,20 @@ def test_an_op_name_amp_fx_does_not_know_is_kept_as_written():
     assert [rule.key for rule in policy.rules] == ["pkg.blocks.Attention", "RoundST"]
     with pytest.raises(amp_fx.AmpError, match="Did you mean 'softmax'"):
         amp_fx.convert(Net(), "O1", policy={"op:F.sofmax": "fp32"})
+
+
+@pytest.mark.parametrize("decision", ["low", "fp8"])
+def test_a_lowering_rule_at_o0_is_refused_not_ignored(decision):
+    """O0 decides nothing, so a rule asking for low precision would silently do nothing: refused, naming the fix."""
+    with pytest.raises(amp_fx.AmpValueError, match=r"level O0 .* would do nothing: policy op 'linear' -> "
+                                                    + decision + r".*Use level 'O1'"):
+        amp_fx.convert(Net(), "O0", policy={"op:linear": decision})
+    with pytest.raises(amp_fx.AmpValueError, match=r"policy module 'encoder' -> " + decision):
+        amp_fx.backend(level="O0", inner="aot_eager", policy={"module:encoder": decision})
+
+
+def test_rules_that_hold_at_o0_are_accepted_and_change_nothing():
+    model = Net()
+    x = torch.randn(2, 8)
+    gm = amp_fx.convert(model, "O0", policy={"module:decoder.head": "fp32", "op:softmax": "promote"})
+    assert torch.equal(gm(x), model(x))
