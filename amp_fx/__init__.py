@@ -9,7 +9,8 @@ from amp_fx.converter.api import convert
 from amp_fx.dynamo.backend import AmpBackend, backend, last_report
 from amp_fx.ir.config import AmpConfig, LEVELS
 from amp_fx.errors import (AlreadyConvertedError, AmpAttributeError, AmpError, AmpIndexError, AmpKeyError,
-                           AmpNotImplementedError, AmpRuntimeError, AmpTypeError, AmpValueError, BannedOpError, UnknownOpError)
+                           AmpNotImplementedError, AmpRuntimeError, AmpTypeError, AmpValueError, AmpWarning, BannedOpError,
+                           UnknownOpError)
 from amp_fx.converter.graph_module import AmpGraphModule
 from amp_fx.ir.policy import Policy
 from amp_fx.converter.report import ConversionReport, NodeRecord
@@ -84,6 +85,7 @@ __all__ = [*_LAZY,
     "ConversionReport",
     "NodeRecord",
     "AmpError",
+    "AmpWarning",
     "AmpValueError",
     "AmpTypeError",
     "AmpRuntimeError",

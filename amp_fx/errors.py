@@ -1,4 +1,4 @@
-"""Errors amp_fx raises for bad input; each message names the problem and the fix.
+"""Errors amp_fx raises for bad input, each naming the problem and the fix, and the AmpWarning base.
 
 Every error derives from :class:`AmpError`.  The ``Amp*Error`` classes below
 also derive from the built-in that the same mistake raises in Python
@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 __all__ = [
     "AmpError", "AmpValueError", "AmpTypeError", "AmpRuntimeError", "AmpKeyError", "AmpIndexError",
-    "AmpNotImplementedError", "AmpAttributeError",
+    "AmpNotImplementedError", "AmpAttributeError", "AmpWarning",
     "BannedOpError", "UnknownOpError", "AlreadyConvertedError", "UnsupportedConstructError",
     "did_you_mean", "unknown_options_error", "checks_keywords", "PACKAGE",
 ]
@@ -27,6 +27,11 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 class AmpError(Exception):
     """Base class of the errors amp_fx raises on purpose."""
+
+
+class AmpWarning(UserWarning):
+    """Base class of every warning amp_fx emits: one ``warnings.filterwarnings("error", category=amp_fx.AmpWarning)``
+    raises them all, one ``"ignore"`` silences them all (a UserWarning too, so existing filters keep working)."""
 
 
 class AmpValueError(AmpError, ValueError):

@@ -44,7 +44,7 @@ from amp_fx.frontend import regions
 
 from amp_fx.ir import meta, op_properties, tables
 from amp_fx.frontend.declared_precision import declared_precision, policy_target
-from amp_fx.errors import BannedOpError, UnknownOpError
+from amp_fx.errors import AmpWarning, BannedOpError, UnknownOpError
 from amp_fx.ir.cast_nodes import written_cast_dtype
 from amp_fx.ir.op_keys import CAST_OPS, custom_overload, is_custom_op
 from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
@@ -56,7 +56,7 @@ REASON_KEY = meta.REASON
 logger = logging.getLogger(__name__)  # amp_fx.passes.assign_precision
 
 
-class UndecidedCustomOpWarning(UserWarning):
+class UndecidedCustomOpWarning(AmpWarning):
     """A custom op that reads a parameter is in no amp_fx table: its precision is a guess until a policy decides it."""
 
 

@@ -64,7 +64,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from amp_fx.errors import UnsupportedConstructError
+from amp_fx.errors import AmpWarning, UnsupportedConstructError
 from amp_fx.ir import meta, op_properties
 from amp_fx.ir.analysis import input_target, node_inputs, promoting_inputs
 from amp_fx.ir.dtype_constants import finfo_member, is_trace_constant, narrows, origins
@@ -77,7 +77,7 @@ _CALLS = ("call_function", "call_method", "call_module")
 UNKNOWN = "unknown"  # the dtype a constant is read in is known only at run time
 
 
-class DtypeConstantWarning(UserWarning):
+class DtypeConstantWarning(AmpWarning):
     """A dtype-derived constant was kept: the dtype it is read in is known only at run time."""
 
 

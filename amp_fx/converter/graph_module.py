@@ -49,7 +49,7 @@ from amp_fx.converter.functional_params import restore_swapped, swap_in_low_copi
 from amp_fx.converter.specialisations import SPECS_ATTR
 from amp_fx.frontend.train_flags import FROZEN_ATTR
 from amp_fx.graph_ops.mode_switch import amp_fx_is_switching, switching_modes
-from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError
+from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError, AmpWarning
 
 __all__ = ["AmpGraphModule", "AMP_ATTRIBUTES", "FrozenTrainingWarning", "switching_modes"]
 
@@ -59,7 +59,7 @@ AMP_ATTRIBUTES = ("amp_report", "amp_config", "amp_fx_masters", "amp_fx_source_d
                   SOURCES_ATTR, RECIPE_ATTR, SPECS_ATTR)
 
 
-class FrozenTrainingWarning(UserWarning):
+class FrozenTrainingWarning(AmpWarning):
     """.train()/.eval() changed a mode that the converted graph was specialised to."""
 
 

@@ -37,7 +37,7 @@ import weakref
 from types import CodeType
 from typing import Any, Callable, Optional
 
-from amp_fx.errors import PACKAGE
+from amp_fx.errors import PACKAGE, AmpWarning
 import torch
 import torch.nn as nn
 
@@ -56,7 +56,7 @@ _INTERNAL = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.d
              contextlib.__file__)
 
 
-class NothingConvertedWarning(UserWarning):
+class NothingConvertedWarning(AmpWarning):
     """A model compiled with the amp_fx backend ran in fp32: Dynamo skipped its frames or broke them before any GEMM."""
 
 

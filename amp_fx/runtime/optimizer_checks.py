@@ -11,7 +11,7 @@ import warnings
 import weakref
 from typing import Any
 
-from amp_fx.errors import PACKAGE
+from amp_fx.errors import PACKAGE, AmpWarning
 import torch
 
 from amp_fx.converter.step_guard import register_wrapper_type
@@ -26,7 +26,7 @@ _CHECKED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 register_wrapper_type(WrappedOptimizer)
 
 
-class EpsUnderflowWarning(UserWarning):
+class EpsUnderflowWarning(AmpWarning):
     """An optimizer's ``eps`` rounds to zero in the dtype of parameters it steps in place."""
 
 
