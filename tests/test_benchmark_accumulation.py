@@ -1,4 +1,4 @@
-"""``examples/benchmark.py --accumulation-only`` runs on tiny sizes and its cast counts add up."""
+"""``benchmarks/benchmark.py --accumulation-only`` runs on tiny sizes and its cast counts add up."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-sys.path.insert(0, EXAMPLES)
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCHMARKS)
 
 import benchmark  # noqa: E402
 from bench_accumulation import ACCUMULATION_MODES  # noqa: E402

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-sys.path.insert(0, EXAMPLES)
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCHMARKS)
 
 import benchmark  # noqa: E402
 from bench_measure import CastCounter  # noqa: E402

@@ -15,7 +15,7 @@ them and a new one kept). Why: on CPU a tensor above glibc's mmap threshold
 cost more than the copy: the bf16 -> fp32 copy of 16M elements (64 MiB) took
 18.1 ms into a fresh tensor against 2.8 ms into a kept one (4 MiB: equal,
 glibc reuses the freed heap there). On the benchmark MLP at width 4096 that
-makes O2's update 0.5x (``examples/bench_o2_step.py --width 4096``).
+makes O2's update 0.5x (``benchmarks/bench_o2_step.py --width 4096``).
 """
 
 from __future__ import annotations

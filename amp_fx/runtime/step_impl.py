@@ -20,7 +20,7 @@ on CPU it rounds ``buf * momentum + grad`` once (a fused multiply-add) on the
 elements its vector loop leaves to a scalar tail, where foreach rounds twice,
 so the two may differ by one rounding per step there (bounded in
 ``tests/runtime/test_lean_update.py``). Measured in the whole O2 step of the
-benchmark MLP (``examples/bench_o2_step.py --optimizer sgd``): the update
+benchmark MLP (``benchmarks/bench_o2_step.py --optimizer sgd``): the update
 takes 0.8x the foreach one. The fused kernel needs every parameter of a group
 that has a gradient to have a momentum buffer, or none to have one
 (``torch.optim.sgd._fused_sgd`` passes the buffer list to the kernel as is),

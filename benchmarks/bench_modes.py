@@ -1,4 +1,4 @@
-"""The training set-ups ``examples/benchmark.py`` compares: one :class:`Trainer` per mode.
+"""The training set-ups ``benchmarks/benchmark.py`` compares: one :class:`Trainer` per mode.
 
 Every mode trains its own deep copy of the same model with the same
 optimizer (SGD with momentum, ``foreach=True``).  A step is

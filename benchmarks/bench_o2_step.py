@@ -2,8 +2,8 @@
 
 Run from a checkout::
 
-    python examples/bench_o2_step.py                      # AdamW, 9 rounds x 3 steps, 1 thread
-    python examples/bench_o2_step.py --optimizer sgd --rounds 15
+    python benchmarks/bench_o2_step.py                      # AdamW, 9 rounds x 3 steps, 1 thread
+    python benchmarks/bench_o2_step.py --optimizer sgd --rounds 15
 
 The model is an MLP of 6 x (Linear 1024->1024, GELU, LayerNorm), batch 256,
 bf16 on CPU, MSE loss computed outside the module. Every mode trains its own

@@ -1,4 +1,4 @@
-"""The models that ``examples/benchmark.py`` times: each returns its own scalar loss.
+"""The models that ``benchmarks/benchmark.py`` times: each returns its own scalar loss.
 
 Every model takes ``(inputs, target)`` and computes its loss inside
 ``forward``, so that autocast regions, amp_fx's conversion and the compilers

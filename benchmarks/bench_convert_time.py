@@ -5,7 +5,7 @@ and without ``example_inputs`` and prints both times, their ratio and the
 seconds of each pass.  Each figure is the best of ``--tries`` runs, the two
 interleaved, so a slow spell of the machine hits both.
 
-    python examples/bench_convert_time.py [--layers 96] [--tries 3]
+    python benchmarks/bench_convert_time.py [--layers 96] [--tries 3]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What ``examples/benchmark.py`` measures: step time in interleaved rounds, peak memory, cast kernels.
+"""What ``benchmarks/benchmark.py`` measures: step time in interleaved rounds, peak memory, cast kernels.
 
 Timing.  Shared machines change speed several-fold for minutes at a time,
 so absolute times from different moments do not compare.  Modes are run in

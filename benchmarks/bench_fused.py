@@ -1,6 +1,6 @@
 """The fused-norm lever alone: a GroupNorm CNN trained at O1 with and without ``fuse_precision``, against autocast.
 
-``examples/benchmark.py --fused`` prints one table.  The model is
+``benchmarks/benchmark.py --fused`` prints one table.  The model is
 :class:`bench_models.ConvNet` with ``nn.GroupNorm`` in place of BatchNorm
 (GroupNorm is on the fp32 list, fed by a low convolution and read by one: the
 case :mod:`amp_fx.passes.fuse_precision` fuses).  Each mode trains its own copy

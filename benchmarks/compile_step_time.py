@@ -2,8 +2,8 @@
 
 Run from a checkout::
 
-    python examples/compile_step_time.py                          # d=256, batch 8 x 64 tokens, 1 thread
-    python examples/compile_step_time.py --width 512 --tokens 128 --rounds 7
+    python benchmarks/compile_step_time.py                          # d=256, batch 8 x 64 tokens, 1 thread
+    python benchmarks/compile_step_time.py --width 512 --tokens 128 --rounds 7
 
 One process, one thread (``torch.set_num_threads(1)``).  Every variant
 trains its own copy of the same pre-norm attention block (SGD, MSE loss).

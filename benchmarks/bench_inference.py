@@ -1,6 +1,6 @@
 """Inference throughput: amp_fx O1 (weight casts cached) against torch.autocast and fp32, in eval() under no_grad.
 
-``examples/benchmark.py --inference`` prints one table per model and batch
+``benchmarks/benchmark.py --inference`` prints one table per model and batch
 size.  Modes, each on its own copy of the model in ``eval()`` under
 ``torch.no_grad()``:
 

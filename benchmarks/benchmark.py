@@ -2,11 +2,11 @@
 
 Run from a checkout::
 
-    python examples/benchmark.py --quick                  # tiny sizes, all modes, < 2 min on 2 cores
-    python examples/benchmark.py                          # full sizes, CPU bf16, inductor, 1 thread
-    python examples/benchmark.py --model transformer --no-compile --rounds 15
-    python examples/benchmark.py --device cuda --dtype fp16
-    python examples/benchmark.py --preset issue14 --model mlp,gpt --accumulation-only --rounds 15
+    python benchmarks/benchmark.py --quick                  # tiny sizes, all modes, < 2 min on 2 cores
+    python benchmarks/benchmark.py                          # full sizes, CPU bf16, inductor, 1 thread
+    python benchmarks/benchmark.py --model transformer --no-compile --rounds 15
+    python benchmarks/benchmark.py --device cuda --dtype fp16
+    python benchmarks/benchmark.py --preset issue14 --model mlp,gpt --accumulation-only --rounds 15
 
 For every model (MLP, CNN with BatchNorm, transformer encoder, GPT decoder
 with tied embeddings) and every mode (fp32, torch.autocast, amp_fx O1/O2/O3

@@ -1,6 +1,6 @@
 """Gradient accumulation: k micro-batches per optimizer step, amp_fx O1/O2 against torch.autocast.
 
-``examples/benchmark.py --accumulation`` prints one table per model.  The
+``benchmarks/benchmark.py --accumulation`` prints one table per model.  The
 batch of the model's case is cut into ``--micro-batches`` pieces (default 4);
 a step is ``zero_grad``, then forward and backward of each piece's loss / k,
 then one optimizer step.  Every mode trains its own copy with

@@ -3,8 +3,8 @@
 Run on a machine with one CUDA GPU (about 3 minutes; it stops starting rows
 when ``--budget`` seconds have passed and marks the rest "not run")::
 
-    python examples/gpu_check.py
-    python examples/gpu_check.py --smoke      # tiny, CPU, compiled rows (bf16 only) with aot_eager: checks the script
+    python benchmarks/gpu_check.py
+    python benchmarks/gpu_check.py --smoke      # tiny, CPU, compiled rows (bf16 only) with aot_eager: checks the script
 
 It trains two models (the benchmark's ``MLP`` with LayerNorms and its ``GPT``
 with a tied head at d 2048 and vocab 50257, the padding case: 50257 is not a
