@@ -99,3 +99,17 @@ def test_every_documented_spelling_resolves_after_import_amp_fx_alone():
     assert result["light"] == [], "import amp_fx must stay light: it loaded " + ", ".join(result["light"])
     broken = {f"{name} ({spellings[name]})": error for name, error in result["failures"].items()}
     assert not broken, broken
+
+
+def test_every_relative_link_in_the_readme_and_docs_names_a_file_that_exists():
+    """The README is short and points into docs/: a moved or renamed page must not leave a dead link behind."""
+    pages = (README, *DOCS, *sorted((README.parent / "docs" / "frameworks").glob("*.md")))
+    dead = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue  # a web address or an anchor on the same page
+            if not (page.parent / target.split("#")[0]).exists():
+                dead.append(f"{page.relative_to(README.parent)} -> {target}")
+    assert len(pages) > 10
+    assert not dead, dead

@@ -70,8 +70,7 @@ def refuse_replaced_params(module: nn.Module, params: dict[str, torch.Tensor]) -
                 "MasterWeightOptimizer), so the masters would never reach the module. Shard first, "
                 "then build the optimizer: gm = amp_fx.runtime.convert_for_sharding(model, 'O2', "
                 "blocks=..., keep_batchnorm_fp32=False); fully_shard each block, then gm; then "
-                "MasterWeightOptimizer(torch.optim.X(model.parameters()), gm). See the README's "
-                "'Sharded training'."
+                "MasterWeightOptimizer(torch.optim.X(model.parameters()), gm). See docs/sharded.md."
             )
 
 
