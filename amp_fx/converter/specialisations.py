@@ -62,16 +62,15 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
 from amp_fx.errors import AmpRuntimeError, AmpTypeError
-from amp_fx.converter.live_hooks import lookup_target, own_attribute
+from amp_fx.converter.graph_adoption import (adopt_graph, add_stand_ins, example_copies, flag_copy, module_at,
+                                             persistent_buffers)
 from amp_fx.frontend.export_route import split_constants
 from amp_fx.frontend.module_hooks import forcing_boundaries, sites_of
 from amp_fx.frontend.traced_defaults import is_default, optional_parameters, positional_names
 from amp_fx.frontend.tracing import FX_FAILED_IN_ATTR, AmpTraceError, tracing_for
 from amp_fx.frontend.train_flags import FROZEN_ATTR
-from amp_fx.graph_ops.fp8_ops import Fp8GemmState
 
 __all__ = ["Specialisations", "attach_specialisations", "SPECS_ATTR"]
 
@@ -130,7 +129,7 @@ class Specialisations:
         self.failed_in = str(gm.__dict__.get(FX_FAILED_IN_ATTR) or "")  # the torch.export route's hook advice
         # what every graph reads as the module's own: the model's parameters, buffers and modules, persistent state
         self.own = frozenset(n for n, _ in model.named_parameters(remove_duplicate=False)) | frozenset(
-            n for n, _ in model.named_buffers(remove_duplicate=False)) | _persistent_buffers(gm)
+            n for n, _ in model.named_buffers(remove_duplicate=False)) | persistent_buffers(gm)
         self.modules = frozenset(p for p, _ in model.named_modules())
         self.current: _Key = (tuple(frozen[p][0] for p in self.paths), present)
         self.converted_key = self.current
@@ -235,7 +234,7 @@ class Specialisations:
     def _watched(self, gm: fx.GraphModule) -> list:
         """The module at each path (None where the graph holds no state of one: it follows the root), found once."""
         if self._modules_of is None or self._modules_of[0]() is not gm:
-            self._modules_of = (weakref.ref(gm), [_module_at(gm, path) for path in self.paths])
+            self._modules_of = (weakref.ref(gm), [module_at(gm, path) for path in self.paths])
         return self._modules_of[1]
 
     # -- switching ------------------------------------------------------------------------------
@@ -267,7 +266,7 @@ class Specialisations:
         from amp_fx.converter.api import convert
         from amp_fx.graph_ops.outer_autocast import call_without_outer_autocast
 
-        source = _flag_copy(model, {}) if self.paths else model  # symbolic: the model itself, whose hooks stay live
+        source = flag_copy(model, {}) if self.paths else model  # symbolic: the model itself, whose hooks stay live
         for path, flag in zip(self.paths, flags):
             try:
                 (source.get_submodule(path) if path else source).training = flag
@@ -281,7 +280,7 @@ class Specialisations:
         else:
             if options.get("example_inputs") is not None or options.get("example_kwarg_inputs"):
                 # this call's inputs are the examples (dtypes as the conversion's: checked): they hold each input it gives
-                options["example_inputs"], options["example_kwarg_inputs"] = _examples(args), _examples(kwargs) or None
+                options["example_inputs"], options["example_kwarg_inputs"] = example_copies(args), example_copies(kwargs) or None
             route = tracing_for("symbolic_trace", inputs=present)
         sites = frozenset(site.path for site in sites_of(gm))  # hook boundaries the current graph has, kept
         # as convert() runs at top level: not under the caller's no_grad, inference_mode or autocast
@@ -296,7 +295,7 @@ class Specialisations:
             except Exception as error:
                 raise AmpRuntimeError(f"amp_fx: could not build this module's graph for {want}: "
                                       f"{type(error).__name__}: {error}") from error
-        self._adopt(gm, new)
+        self.renamed = adopt_graph(gm, new, self.own, self.modules, self.renamed)
         report = new.amp_report
         report.notes.append(f"graph for {want}, built at its first call (amp_fx/converter/specialisations.py)")
         return _Graph(new.graph, report, new.__dict__.get(FROZEN_ATTR))
@@ -319,33 +318,6 @@ class Specialisations:
                 "like this call's>}), which traces the model with torch.export, specialised to that value where "
                 "forward branches on it.")
 
-    def _adopt(self, gm: fx.GraphModule, new: fx.GraphModule) -> None:
-        """Point ``new``'s graph at ``gm``'s own parameters, buffers and modules; move its constants over."""
-        for node in list(new.graph.nodes):
-            if node.op not in ("get_attr", "call_module"):
-                continue
-            target = str(node.target)
-            mine, theirs = lookup_target(gm, target), lookup_target(new, target)
-            if target in self.own or (node.op == "call_module" and target in self.modules):
-                if mine is None:
-                    _assign(gm, target, theirs)
-                elif isinstance(theirs, torch.Tensor) and (not isinstance(mine, torch.Tensor) or mine.shape != theirs.shape
-                                                           or mine.dtype != theirs.dtype):
-                    raise AmpRuntimeError(
-                        f"amp_fx: the graph built for another mode reads {target!r} as {tuple(theirs.shape)} "
-                        f"{theirs.dtype}, but this module holds {getattr(mine, 'shape', None)} "
-                        f"{getattr(mine, 'dtype', type(mine).__name__)} there: the model changed since conversion. "
-                        "Convert the model again.")
-                continue
-            if isinstance(mine, Fp8GemmState) and isinstance(theirs, Fp8GemmState):
-                continue  # an fp8 GEMM's scales and amax history are the conversion's: one per GEMM, every graph's
-            if mine is theirs or (mine is not None and not isinstance(mine, (torch.Tensor, nn.Module))):
-                continue  # the same object, or a plain attribute (a flag)
-            if mine is not None:  # a constant of the same name in another graph: this one gets its own name
-                self.renamed += 1
-                target = f"_amp_fx_mode{self.renamed}_{target.replace('.', '_')}"
-                node.target = target
-            _assign(gm, target, theirs)
 
 
 def _same(value: Any, constant: Any) -> bool:
@@ -353,34 +325,6 @@ def _same(value: Any, constant: Any) -> bool:
         return bool(value == constant)
     except Exception:  # an object without a plain ==
         return value is constant
-
-
-def _persistent_buffers(module: nn.Module) -> frozenset:
-    """Names of ``module``'s persistent buffers (state a pass added, such as fp8 scales, is shared by every graph)."""
-    return frozenset(f"{path}.{name}" if path else name for path, m in module.named_modules()
-                     for name in m._buffers if name not in m._non_persistent_buffers_set)
-
-
-def _module_at(gm: nn.Module, path: str) -> Optional[nn.Module]:
-    """``gm``'s module at ``path``, or None where it has none (torch.export keeps only modules holding state)."""
-    module: Optional[nn.Module] = gm
-    for atom in path.split(".") if path else ():
-        module = module._modules.get(atom) if module is not None else None
-    return module
-
-
-def _flag_copy(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
-    """A copy of ``module``'s tree with its own flags and containers, the same parameter and buffer tensors."""
-    if id(module) in memo:
-        return memo[id(module)]
-    clone = copy.copy(module)
-    memo[id(module)] = clone
-    for key, value in module.__dict__.items():
-        if isinstance(value, (dict, list, set)):  # _parameters, _buffers, hook dicts: new containers, same tensors
-            clone.__dict__[key] = copy.copy(value)
-    clone.__dict__["_modules"] = type(module._modules)(
-        (name, None if child is None else _flag_copy(child, memo)) for name, child in module._modules.items())
-    return clone
 
 
 def _describe(exported: bool, paths: tuple[str, ...], flags: tuple[bool, ...], present: tuple[str, ...],
@@ -406,66 +350,11 @@ def _describe(exported: bool, paths: tuple[str, ...], flags: tuple[bool, ...], p
     return mode if modes else f"the calls with {', '.join(given)}"
 
 
-def _examples(values: Any) -> Any:
-    """A call's inputs as example inputs for a build: detached; inference tensors cloned (fake tensors refuse them)."""
-    def detach(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().clone() if t.is_inference() else t.detach()
-
-    return pytree.tree_map_only(torch.Tensor, detach, values)
-
-
-def _assign(owner: nn.Module, target: str, value: Any) -> None:
-    *prefix, leaf = target.split(".")
-    for atom in prefix:
-        child = own_attribute(owner, atom)
-        if child is None:
-            child = nn.Module()
-            owner.add_module(atom, child)
-        owner = child
-    if isinstance(value, nn.Module):
-        owner._modules[leaf] = value
-    elif isinstance(value, nn.Parameter):
-        owner.register_parameter(leaf, value)
-    elif isinstance(value, torch.Tensor):
-        owner.register_buffer(leaf, value, persistent=False)  # a constant of one graph: not the model's state
-    else:
-        setattr(owner, leaf, value)
-
-
-def _add_stand_ins(gm: nn.Module, model: nn.Module) -> None:
-    """Give ``gm`` a module at every path of ``model`` that torch.export left out (those holding no state).
-
-    torch.export keeps only the modules that hold parameters or buffers, so
-    ``gm.apply(lambda m: m.eval() if isinstance(m, nn.Dropout) else None)``
-    would find no Dropout and change nothing, silently.  Each stand-in is a
-    copy of the model's module (its type, attributes and flag) with empty
-    containers: it holds no state and no hooks of the model's, and the
-    graph never calls it; its flag is part of the key.
-    """
-    for path, module in model.named_modules():
-        if not path or _module_at(gm, path) is not None:
-            continue
-        parent_path, _, name = path.rpartition(".")
-        parent = _module_at(gm, parent_path)
-        if parent is None:
-            continue
-        stand_in = copy.copy(module)
-        for key, value in module.__dict__.items():
-            if isinstance(value, (dict, set)):  # parameters, buffers, submodules, hook dicts: its own, empty
-                stand_in.__dict__[key] = type(value)()
-        parent._modules[name] = stand_in
-        order = list(model.get_submodule(parent_path)._modules) if parent_path else list(model._modules)
-        children = parent._modules  # the model's order, then whatever else the trace added (its guards)
-        ordered = sorted(children.items(), key=lambda item: order.index(item[0]) if item[0] in order else len(order))
-        children.clear()
-        children.update(ordered)
-
-
 def attach_specialisations(gm: fx.GraphModule, model: nn.Module, route: str, example_inputs: Optional[tuple],
                            example_kwarg_inputs: Optional[dict], traced_defaults: Optional[dict] = None) -> None:
     """Give a converted module its keys (see module docstring), where it has any."""
     if route == "torch.export":
-        _add_stand_ins(gm, model)
+        add_stand_ins(gm, model)
     specs = Specialisations(gm, model, tuple(example_inputs or ()), dict(example_kwarg_inputs or {}), route,
                             dict(traced_defaults or {}))
     if specs.exported or specs.keywords:
