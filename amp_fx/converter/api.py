@@ -293,7 +293,8 @@ def convert(
                                   if isinstance(value, torch.Tensor) and value.is_floating_point()}
     result.amp_fx_source_dtypes = dict(ctx.source_dtypes)
     # hooks registered later on a module forward calls rebuild the graph (amp_fx/converter/live_hooks.py)
-    setattr(result, RECIPE_ATTR, ConversionRecipe(model, recipe_options, getattr(result.graph, CALLED_ATTR, frozenset())))
+    setattr(result, RECIPE_ATTR, ConversionRecipe(model, recipe_options, getattr(result.graph, CALLED_ATTR, frozenset()),
+                                                       build=convert))
     if config.master_weights and owns_params:
         attach_masters(result, dict(model.named_parameters(remove_duplicate=False)))
     if owns_params:

@@ -52,14 +52,19 @@ _OWN_PREFIXES = ("amp_fx_checkpoint_",)  # modules amp_fx adds to a converted mo
 
 
 class ConversionRecipe:
-    """How a module was converted -- the original model and convert()'s arguments -- for a rebuild.
+    """How a module was converted -- the original model, convert()'s arguments and convert itself -- for a rebuild.
 
-    Shared by deepcopies of the converted module; a pickled one forgets the
-    model (it is not saved with the module).
+    ``build`` is the function that converted it (``amp_fx.convert``, handed down by
+    :mod:`amp_fx.converter.api`): a rebuild for new hooks (here) or for another mode or
+    set of inputs (:mod:`amp_fx.converter.specialisations`) calls ``build(model,
+    **options)``, so neither imports the api module above them (no import circle).
+    Shared by deepcopies of the converted module; a pickled one forgets the model
+    and the builder (neither is saved with the module).
     """
 
-    def __init__(self, model: Optional[nn.Module], options: dict, called: frozenset = frozenset()):
-        self.model, self.options = model, options
+    def __init__(self, model: Optional[nn.Module], options: dict, called: frozenset = frozenset(),
+                 build: Optional[Callable[..., fx.GraphModule]] = None):
+        self.model, self.options, self.build = model, options, build
         self.called = called  # paths of the modules forward calls (others' hooks never fire, in eager too)
         self.unplaced: set[str] = set()  # called paths a rebuild could not give a boundary (inside a custom Function)
         # pruning, weight_norm, spectral_norm, parametrizations as traced in: a later change is refused
@@ -203,15 +208,14 @@ def _rebuild(gm: fx.GraphModule, state: HookState, found: list) -> None:
     if state.exported:
         raise _refusal(found, "it was traced with torch.export, which runs hooks once while tracing", exported=True,
                        failed_in=gm.__dict__.get(FX_FAILED_IN_ATTR))
-    if recipe is None or recipe.model is None:
+    if recipe is None or recipe.model is None or recipe.build is None:
         raise _refusal(found, "the model it was converted from is not known to it (an unpickled converted module)")
-    from amp_fx.converter.api import convert
     from amp_fx.graph_ops.outer_autocast import call_without_outer_autocast
 
     paths = frozenset(path for path, *_ in found) | frozenset(site.path for site in sites_of(gm))
     # as convert() would run at top level: not under the caller's no_grad, inference_mode or autocast
     with forcing_boundaries(paths), torch.inference_mode(False), torch.enable_grad():
-        new = call_without_outer_autocast(convert, recipe.model, **recipe.options)
+        new = call_without_outer_autocast(recipe.build, recipe.model, **recipe.options)
     if new.__dict__.get(_ROUTE_ATTR) != "symbolic_trace":
         raise _refusal(found, "the model now converts by the torch.export route")
     placed = {site.path for site in sites_of(new)}

@@ -256,14 +256,13 @@ class Specialisations:
     def _build(self, gm: fx.GraphModule, key: _Key, args: tuple, kwargs: dict) -> _Graph:
         """Convert the model again for ``key``'s flags and keyword inputs; keep its graph, on ``gm``'s own state."""
         recipe = gm.__dict__.get(_RECIPE_ATTR)
-        model = recipe.model if recipe is not None else None
+        model = recipe.model if recipe is not None and recipe.build is not None else None
         flags, present = key
         want = _describe(self.exported, self.paths, flags, present, self.keywords)
         if model is None:
             raise AmpRuntimeError(
                 f"amp_fx: this module needs a graph for {want}, and the model it was converted from is not known "
                 "to it (an unpickled copy). Convert the model in that mode / with those inputs.")
-        from amp_fx.converter.api import convert
         from amp_fx.graph_ops.outer_autocast import call_without_outer_autocast
 
         source = flag_copy(model, {}) if self.paths else model  # symbolic: the model itself, whose hooks stay live
@@ -286,7 +285,7 @@ class Specialisations:
         # as convert() runs at top level: not under the caller's no_grad, inference_mode or autocast
         with torch.inference_mode(False), torch.enable_grad(), route, forcing_boundaries(sites):
             try:
-                new = call_without_outer_autocast(convert, source, **options)
+                new = call_without_outer_autocast(recipe.build, source, **options)
             except AmpTraceError as error:
                 if self.exported:
                     raise AmpRuntimeError(f"amp_fx: could not build this module's graph for {want}: {error}") from error
