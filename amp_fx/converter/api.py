@@ -236,71 +236,135 @@ def convert(
     Global module hooks, deprecated ``register_backward_hook`` hooks and hooks
     on the torch.export route are refused, naming the route that works.
     """
-    recipe_options = {k: v for k, v in locals().items() if k != "model"}  # convert's arguments, for a rebuild
+    options = {k: v for k, v in locals().items() if k != "model"}  # convert's arguments, for a rebuild
     _check_model(model)
     _check_inputs(example_inputs, example_kwarg_inputs)
-    device = device_type_of(model, list(example_inputs or ()) + list((example_kwarg_inputs or {}).values()))
-    config = make_config(
-        level, dtype=dtype, keep_batchnorm_fp32=keep_batchnorm_fp32, keep_losses_fp32=keep_losses_fp32,
-        cast_model_outputs=cast_model_outputs,
-        on_unknown_op=on_unknown_op, allow_banned=allow_banned, minimize_casts=minimize_casts, pad_gemm=pad_gemm,
-        fuse_precision=fuse_precision, cache_casts=cache_casts, fp8=fp8,
-    ).for_device(device)
-    policy = Policy.coerce(policy)
-    policy.check_level(config.level)
+    config, device = _config_for(model, options)
+    policy = _policy_for(policy, config)
     if isinstance(model, AmpGraphModule) and hasattr(model, "amp_config"):
         return _reconvert(model, config)
+    _check_names(model, policy, leaf_modules)
+    gm, route, source = _trace(model, config, options)
+    traced_defaults = dict(getattr(gm, DEFAULTS_ATTR, None) or {})  # optional inputs traced at their default (symbolic)
+    _match_model_state(gm, source, policy)
+    ctx = _pass_context(config, policy, options, route, device)
+    gm, report = rewrite_graph(gm, ctx, own_params=config.cast_params, notes=_conversion_notes(model, gm, route))
+    _restore_train_flags(gm, model, route)
+    _attach_results(gm, report, config, route, ctx, options)
+    _attach_rebuilds(gm, model, config, route, options, traced_defaults)
+    return gm
+
+
+# -- the steps of convert(), in the order it runs them ----------------------------------------------------------
+
+def _config_for(model: nn.Module, options: dict) -> tuple[AmpConfig, str]:
+    """The level's configuration with convert's overrides, and the device type the model (or its inputs) is on."""
+    examples = list(options["example_inputs"] or ()) + list((options["example_kwarg_inputs"] or {}).values())
+    device = device_type_of(model, examples)
+    config = make_config(
+        options["level"], **{name: options[name] for name in (
+            "dtype", "keep_batchnorm_fp32", "keep_losses_fp32", "cast_model_outputs", "on_unknown_op", "allow_banned",
+            "minimize_casts", "pad_gemm", "fuse_precision", "cache_casts", "fp8")},
+    )
+    return config.for_device(device), device
+
+
+def _policy_for(policy: Union[None, Policy, Mapping], config: AmpConfig) -> Policy:
+    """``policy=`` as a :class:`Policy`, refused where it asks for what the level cannot do (a low rule at O0)."""
+    policy = Policy.coerce(policy)
+    policy.check_level(config.level)
+    return policy
+
+
+def _check_names(model: nn.Module, policy: Policy, leaf_modules: Sequence[Any]) -> None:
+    """Refuse a policy or ``leaf_modules`` entry naming a module the model does not have (with close matches)."""
     module_names = [name for name, _ in model.named_modules()]
     policy.validate_against(module_names)
     _check_leaf_names(leaf_modules, module_names)
 
-    owns_params = config.cast_params
-    # O2/O3 cast the copy's parameters; its buffers stay the model's tensors (amp_fx/converter/buffer_state.py)
-    source = copy_sharing_buffers(model) if owns_params else model
+
+def _trace(model: nn.Module, config: AmpConfig, options: dict) -> tuple[AmpGraphModule, str, nn.Module]:
+    """Trace the model (fx, or torch.export with example inputs); return the graph, its route and what was traced.
+
+    At O2/O3 the traced module is a copy whose parameters the passes cast; its buffers stay the
+    model's tensors (:mod:`amp_fx.converter.buffer_state`).  At O0/O1 it is the model itself.
+    """
+    source = copy_sharing_buffers(model) if config.cast_params else model
+    example_inputs, example_kwarg_inputs = options["example_inputs"], options["example_kwarg_inputs"]
     gm, route = trace_model(
-        source, leaf_modules=leaf_modules,
+        source, leaf_modules=options["leaf_modules"],
         example_inputs=tuple(example_inputs) if example_inputs is not None else None,
         example_kwarg_inputs=dict(example_kwarg_inputs) if example_kwarg_inputs else None,
-        module_class=AmpGraphModule, dynamic_shapes=dynamic_shapes, hook_originals=model,
+        module_class=AmpGraphModule, dynamic_shapes=options["dynamic_shapes"], hook_originals=model,
     )
-    traced_defaults = dict(getattr(gm, DEFAULTS_ATTR, None) or {})  # optional inputs traced at their default (symbolic)
+    return gm, route, source
+
+
+def _match_model_state(gm: fx.GraphModule, source: nn.Module, policy: Policy) -> None:
+    """Give the graph the model's whole state under the model's keys, and check the policy's op names against it."""
     _copy_missing_state(gm, source)
     _keep_state_dict_keys(gm, source)
-    policy.check_op_names((canonical_op(n, gm) for n in gm.graph.nodes if n.op.startswith("call")), set().union(*tables.all_tables().values(), CAST_OPS))
-    ctx = PassContext(config=config, policy=policy,
-                      example_inputs=tuple(example_inputs) if example_inputs is not None else None,
-                      example_kwarg_inputs=dict(example_kwarg_inputs) if example_kwarg_inputs else None,
-                      route=route, device_type=device)
+    known_ops = set().union(*tables.all_tables().values(), CAST_OPS)
+    policy.check_op_names((canonical_op(n, gm) for n in gm.graph.nodes if n.op.startswith("call")), known_ops)
+
+
+def _pass_context(config: AmpConfig, policy: Policy, options: dict, route: str, device: str) -> PassContext:
+    """What every pass reads: the configuration, the policy, the example inputs, the route and the device."""
+    example_inputs, example_kwarg_inputs = options["example_inputs"], options["example_kwarg_inputs"]
+    return PassContext(config=config, policy=policy,
+                       example_inputs=tuple(example_inputs) if example_inputs is not None else None,
+                       example_kwarg_inputs=dict(example_kwarg_inputs) if example_kwarg_inputs else None,
+                       route=route, device_type=device)
+
+
+def _conversion_notes(model: nn.Module, gm: fx.GraphModule, route: str) -> list[str]:
+    """The report's notes on the conversion as a whole: tensors left as they are, what the route fixed."""
     notes = _tensor_notes(model)
     notes.extend(getattr(gm, "amp_fx_trace_notes", ()))  # what the export route fixed or kept dynamic
     if route == "torch.export":
         notes.append("traced with torch.export in the model's train/eval mode; .train()/.eval() switch to a graph "
                      "specialised to the other mode, built at its first call, on the same weights")
-    gm, report = rewrite_graph(gm, ctx, own_params=owns_params, notes=notes)
+    return notes
 
-    result = gm
-    if route != "symbolic_trace":  # each module's flag as traced; one the graph holds no state of follows the root
-        with switching_modes():  # the mode it was traced in: no frozen-mode warning
-            flags = {path: m.training for path, m in model.named_modules()}
-            for path, module in result.named_modules():
-                module.training = flags.get(path, model.training)
+
+def _restore_train_flags(result: nn.Module, model: nn.Module, route: str) -> None:
+    """Off the symbolic route: each module's flag as traced; one the graph holds no state of follows the root."""
+    if route == "symbolic_trace":
+        return
+    with switching_modes():  # the mode it was traced in: no frozen-mode warning
+        flags = {path: m.training for path, m in model.named_modules()}
+        for path, module in result.named_modules():
+            module.training = flags.get(path, model.training)
+
+
+def _attach_results(result: AmpGraphModule, report: Any, config: AmpConfig, route: str, ctx: PassContext,
+                    options: dict) -> None:
+    """Put the report, the configuration, the route and the input dtypes the casts were placed for on ``result``."""
     result.amp_report = report
     result.amp_config = config
     setattr(result, ROUTE_ATTR, route)
     # The casts were placed for the example inputs' floating dtypes: calls with other dtypes are refused.
-    examples = {**dict(enumerate(example_inputs or ())), **dict(example_kwarg_inputs or {})}
+    examples = {**dict(enumerate(options["example_inputs"] or ())), **dict(options["example_kwarg_inputs"] or {})}
     result.amp_fx_input_dtypes = {key: value.dtype for key, value in examples.items()
                                   if isinstance(value, torch.Tensor) and value.is_floating_point()}
     result.amp_fx_source_dtypes = dict(ctx.source_dtypes)
-    # hooks registered later on a module forward calls rebuild the graph (amp_fx/converter/live_hooks.py)
-    setattr(result, RECIPE_ATTR, ConversionRecipe(model, recipe_options, getattr(result.graph, CALLED_ATTR, frozenset()),
-                                                       build=convert))
-    if config.master_weights and owns_params:
+
+
+def _attach_rebuilds(result: AmpGraphModule, model: nn.Module, config: AmpConfig, route: str, options: dict,
+                     traced_defaults: dict) -> None:
+    """Tie ``result`` to the model: O2's masters, the buffers it writes back, and what rebuilds its graph later.
+
+    Hooks registered later on a module forward calls rebuild the graph (:mod:`amp_fx.converter.live_hooks`);
+    the other train/eval mode (torch.export route) and the optional inputs a call gives or leaves out (both
+    routes) get graphs built at their first call (:mod:`amp_fx.converter.specialisations`).  Both rebuild
+    through the recipe's ``build``: this very function, handed down so they need not import it.
+    """
+    called = getattr(result.graph, CALLED_ATTR, frozenset())
+    setattr(result, RECIPE_ATTR, ConversionRecipe(model, options, called, build=convert))
+    if config.master_weights and config.cast_params:
         attach_masters(result, dict(model.named_parameters(remove_duplicate=False)))
-    if owns_params:
+    if config.cast_params:
         attach_buffer_sources(result, model)
-    # graphs for the other train/eval mode (torch.export route) and for the optional inputs a call gives or
-    # leaves out (both routes), built at their first call (amp_fx/converter/specialisations.py)
+    example_inputs = options["example_inputs"]
     attach_specialisations(result, model, route, tuple(example_inputs) if example_inputs is not None else None,
-                           example_kwarg_inputs, traced_defaults)
-    return result
+                           options["example_kwarg_inputs"], traced_defaults)
