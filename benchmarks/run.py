@@ -41,7 +41,7 @@ PRESETS: dict[str, Preset] = {
     "quick": Preset("benchmark.py", ("--quick",), "every model and mode at tiny sizes (aot_eager): checks the set-up"),
     "full": Preset("benchmark.py", (), "training-step tables of docs/performance.md: full sizes, inductor, 1 thread"),
     "issue14": Preset("benchmark.py", ("--preset", "issue14", "--model", "mlp,transformer,gpt", "--inference",
-                                       "--no-scaling"), "the README's training and inference ratios to autocast"),
+                                       "--no-scaling"), "the summary ratios to autocast (training and inference) of docs/performance.md"),
     "inference": Preset("benchmark.py", ("--inference-only", "--preset", "issue", "--model", "mlp,gpt", "--rounds", "9"),
                         "eval()/no_grad throughput: O1 with cached weight casts vs autocast vs fp32"),
     "fused": Preset("benchmark.py", ("--inference-only", "--fused", "--model", "mlp,gpt", "--rounds", "9"),
