@@ -23,6 +23,8 @@ Recipes (``spec.recipe``):
 
 - ``"tensorwise"``: one scale per tensor, recomputed on every call (torchao's default);
 - ``"rowwise"``: one power-of-two scale per row of each GEMM operand (torchao's ``rowwise``);
+- ``"rowwise_with_gw_hp"``: rowwise forward; grad_input from a rowwise grad_output and a tensorwise weight;
+  grad_weight in high precision (torchao's ``rowwise_with_gw_hp``);
 - ``"delayed"``: Transformer Engine's delayed scaling; each tensor is quantized with a
   scale computed from the amax history of earlier calls, and then records its own amax.
   History and scales are the tensors of an :class:`Fp8GemmState` (module buffers).
@@ -62,20 +64,25 @@ ROLES = ("input", "weight", "grad_output")  # the rows of an Fp8GemmState's tens
 class Fp8Spec(NamedTuple):
     """How one fp8 GEMM runs: the recipe and its options (a NamedTuple: fx prints it as a constant of the graph)."""
 
-    recipe: str = "tensorwise"  # tensorwise | rowwise | delayed
+    recipe: str = "tensorwise"  # tensorwise | rowwise | rowwise_with_gw_hp | delayed
     out_dtype: torch.dtype = torch.bfloat16  # the forward GEMM's result (the level's low dtype)
     emulate: bool = False  # fp32 mm of the dequantized operands instead of torch._scaled_mm
     amax_compute: str = "max"  # delayed: "max" of the history or its "most_recent" entry
     margin: int = 0  # delayed: scale = fp8_max / amax / 2**margin
 
     @property
+    def rowwise(self) -> bool:
+        """Scales per row of each operand (torchao's axiswise), rounded down to powers of two."""
+        return self.recipe in ("rowwise", "rowwise_with_gw_hp")
+
+    @property
     def grad_dtype(self) -> torch.dtype:
-        """grad_output's fp8 format: e5m2 (range) except rowwise, which keeps e4m3 as torchao's rowwise does."""
-        return E4M3 if self.recipe == "rowwise" else E5M2
+        """grad_output's fp8 format: e5m2 (range) except the rowwise recipes, which keep e4m3 as torchao's do."""
+        return E4M3 if self.rowwise else E5M2
 
     @property
     def power_of_two(self) -> bool:
-        return self.recipe == "rowwise"
+        return self.rowwise
 
 
 class Fp8GemmState(nn.Module):
@@ -120,7 +127,7 @@ def _quantize_as(tensor: torch.Tensor, role: int, dtype: torch.dtype, spec: Fp8S
         if spec.recipe == "delayed":
             scale = state.scale[role].clone()
         else:
-            scale = amax_to_scale(amax_of(tensor, dim if spec.recipe == "rowwise" else None), dtype, spec.power_of_two)
+            scale = amax_to_scale(amax_of(tensor, dim if spec.rowwise else None), dtype, spec.power_of_two)
     quantized = quantize(tensor, scale, dtype)
     _record(state, role, tensor, quantized, scale, dtype)
     return quantized, scale
@@ -173,6 +180,8 @@ class Fp8Matmul(torch.autograd.Function):
                 "keep in the module's buffers; torch.compile of amp_fx.convert(model, fp8='delayed') runs its "
                 "delayed GEMMs eagerly (docs/fp8.md), but this backward was traced: run it eagerly, or use "
                 "fp8='tensorwise' / 'rowwise', which compile whole")
+        if spec.recipe == "rowwise_with_gw_hp":
+            return _gw_hp_backward(x, w_t, grad_out, g2, x2, spec, state)
         x_scale, w_scale = ctx.scales if delayed else (None, None)
         # grad_input = grad_out @ w: rows of grad_out, rows of w_t (its columns once transposed)
         g8, g_scale = _quantize_as(g2, 2, spec.grad_dtype, spec, state, dim=-1)
@@ -191,6 +200,25 @@ class Fp8Matmul(torch.autograd.Function):
             if group is not None and group.pending:
                 group.stepped = True  # the next forward starts a new step: it syncs this one
         return grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1]), grad_w.t(), None, None, None
+
+
+def _gw_hp_backward(x: torch.Tensor, w_t: torch.Tensor, grad_out: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor,
+                    spec: Fp8Spec, state: Optional[Fp8GemmState]) -> tuple:
+    """torchao's ``rowwise_with_gw_hp`` backward: grad_input in fp8, grad_weight in high precision.
+
+    grad_input = q_row(grad_out) @ q_tensor(w): grad_output e4m3 with a power-of-two scale per row, the weight
+    e4m3 with one power-of-two scale, repeated along K so the rowwise kernel runs (torchao's ``preprocess_addmm``;
+    the emulated division reads the same value either way).  grad_weight = grad_out.t() @ x of the unquantized
+    operands, a plain ``mm`` in the weight gradient's dtype (bf16 on a bf16 model, as torchao's).
+    """
+    g8, g_scale = _quantize_as(g2, 2, E4M3, spec, state, dim=-1)
+    w_scale = amax_to_scale(amax_of(w_t), E4M3, power_of_two=True)
+    w8 = quantize(w_t, w_scale, E4M3).t()  # N x K
+    grad_x = scaled_mm(g8, g_scale, w8, w_scale.repeat(w8.shape[1]).reshape(1, -1), _grad_dtype(x, grad_out),
+                       fast_accum=False, emulate=spec.emulate)
+    dtype = _grad_dtype(w_t, grad_out)  # an fp32 weight at O1: its gradient in fp32, from the bf16 grad_output
+    grad_w = torch.mm(g2.t().to(dtype), x2.to(dtype))
+    return grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1]), grad_w.t(), None, None, None
 
 
 def _empty_backward(x: torch.Tensor, w_t: torch.Tensor, grad_out: torch.Tensor, spec: Fp8Spec,

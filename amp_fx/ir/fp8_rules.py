@@ -32,7 +32,7 @@ from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError
 __all__ = ["Fp8Config", "parse_fp8", "fp8_for_level", "can_fp8", "should_fp8", "RECIPES", "AMAX_COMPUTE", "SIZE_RULES",
            "ALIGNMENT", "FP8_OPS"]
 
-RECIPES = ("tensorwise", "rowwise", "delayed")
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
 AMAX_COMPUTE = ("max", "most_recent")
 ALIGNMENT = 16  # K and N of an fp8 GEMM: torch._scaled_mm's requirement
 FP8_OPS = ("linear", "matmul", "mm", "addmm")  # addmm: bias + x @ W, as Hugging Face's Conv1D computes
@@ -53,6 +53,8 @@ SIZE_RULES = {
     "tensorwise": ("K > 4096 or N > 1024", _tensorwise_worth_it),
     "rowwise": ("N > 2048 and K > 1024 and (N > 4096 or K > 2048)", _rowwise_worth_it),
     "delayed": ("K > 4096 or N > 1024", _tensorwise_worth_it),
+    # torchao's auto-filter refuses this recipe; its forward and grad_input GEMMs are rowwise's, so rowwise's rule.
+    "rowwise_with_gw_hp": ("N > 2048 and K > 1024 and (N > 4096 or K > 2048)", _rowwise_worth_it),
 }
 
 
@@ -61,7 +63,8 @@ class Fp8Config:
     """How eligible GEMMs run in fp8.
 
     recipe: ``"tensorwise"`` (torchao's default: one scale per tensor, recomputed every call),
-        ``"rowwise"`` (a power-of-two scale per row; grad_output e4m3), ``"delayed"``
+        ``"rowwise"`` (a power-of-two scale per row; grad_output e4m3), ``"rowwise_with_gw_hp"`` (rowwise
+        forward and grad_input with a tensorwise weight, the weight-gradient GEMM in high precision), ``"delayed"``
         (Transformer Engine's: scales from an amax history kept in the module's buffers).
     emulate: run each fp8 GEMM as an fp32 ``mm`` of the dequantized operands (torchao's ``emulate``).
     size_rule: ``"auto"`` (skip GEMMs too small to gain, :data:`SIZE_RULES`) or ``"all"``.
@@ -97,6 +100,8 @@ class Fp8Config:
             return "tensorwise (e4m3 input/weight, e5m2 grad_output, scales every call)"
         if self.recipe == "rowwise":
             return "rowwise (e4m3, power-of-two scale per row)"
+        if self.recipe == "rowwise_with_gw_hp":
+            return "rowwise_with_gw_hp (e4m3 rowwise forward and grad_input, weight gradient in high precision)"
         return (f"delayed (e4m3 input/weight, e5m2 grad_output, amax history {self.history_len}, "
                 f"{self.amax_compute}, margin {self.margin})")
 
