@@ -10,8 +10,9 @@ the fp8-capable GEMMs of the graph.  Here:
   runs once on the conversion's ``example_inputs`` without gradients, and
   :mod:`amp_fx.ir.fp8_sensitivity` measures each GEMM's high-precision
   operands under each recipe -- the values its fp8 GEMM would quantize;
-- **choice**: :func:`amp_fx.ir.fp8_choice.choose` per GEMM, with M the
-  example's rows or ``Fp8Config.tokens``.
+- **choice**: :func:`amp_fx.ir.fp8_choice.choose` per GEMM, with M
+  ``Fp8Config.tokens``, else the traced rows, else (a dynamic M, as
+  torch.export traces Hugging Face models) the rows the calibration saw.
 
 Without example inputs there are no shapes and no values, so no decision:
 ``recipe="auto"`` is refused with an :class:`~amp_fx.errors.AmpValueError`
@@ -113,8 +114,9 @@ def plan_auto(gm: fx.GraphModule, ctx: PassContext, gemms: list[Gemm]) -> dict[f
     plan = {}
     for gemm in weighted:
         node = gemm.node
-        M = config.tokens or gemm.M
         sensitivity: Optional[Fp8Sensitivity] = measured.get(node.name)
+        # tokens= first; else the traced rows; else (dynamic shapes: torch.export's symbolic M) the calibration's rows
+        M = config.tokens or gemm.M or (sensitivity.rows if sensitivity is not None else None)
         if M is None or not isinstance(gemm.K, int) or not isinstance(gemm.N, int):
             plan[node] = Choice(None, "no_shape", "M, K or N unknown from the example inputs: no prediction")
             continue

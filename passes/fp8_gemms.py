@@ -336,7 +336,7 @@ def fp8_gemms(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             # A policy's "fp8" painted it low "its GEMMs fp8": its row must not claim fp8 it does not run.
             meta.REASON.set(node, f"{why}: runs {low}, not fp8")
         where = f" ({meta.MODULE_PATH.get(node)})" if meta.MODULE_PATH.get(node) else ""
-        M = config.tokens if config is not None and config.auto and config.tokens else gemm.M
+        M = choice.M if choice is not None and choice.M else gemm.M
         head = f"{gemm.op} {node.name}{where}: M={'?' if M is None else M} K={gemm.K} N={gemm.N}"
         lines.append(f"{head} -> fp8 {chosen.recipe} ({why})" if chosen else f"{head} kept {low} ({why})")
         gemms.append({"node": node.name, "op": gemm.op, "module": meta.MODULE_PATH.get(node, ""), "M": M,

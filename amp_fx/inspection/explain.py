@@ -128,9 +128,13 @@ def explain(target: Any, device: Union[None, str, DeviceProfile] = None) -> Fp8E
         raise AmpTypeError(f"explain(device={device!r}): no such device profile; use 'h100', 'h200', 'b200' or a "
                            f"{PACKAGE}.ir.fp8_cost.DeviceProfile")
     rows = [_row(gemm, profile) for gemm in stats.get("gemms", [])]
+    share = stats.get("fp8_flop_share")
+    sized = [r for r in rows if all(isinstance(v, int) for v in (r.M, r.K, r.N))]
+    if sized and len(sized) == len(rows):  # the rows' own M (tokens=, or a dynamic M the calibration measured)
+        share = sum(r.M * r.K * r.N for r in sized if r.format != "bf16") / sum(r.M * r.K * r.N for r in sized)
     timed = [r for r in rows if r.bf16_s is not None]
     bf16 = sum(r.bf16_s for r in timed) if timed else None
     plan = sum(r.fp8_s if r.format != "bf16" and r.fp8_s is not None else r.bf16_s for r in timed) if timed else None
     return Fp8Explanation(rows=rows, device=profile.name if profile else stats.get("device", "h100"),
                           fp8=sum(1 for r in rows if r.format != "bf16"), total=len(rows),
-                          fp8_flop_share=stats.get("fp8_flop_share"), bf16_s=bf16, plan_s=plan)
+                          fp8_flop_share=share, bf16_s=bf16, plan_s=plan)

@@ -45,6 +45,7 @@ class Choice:
     seconds: dict[str, float] = field(default_factory=dict)  # "bf16" and each recipe of config.choices
     errors: dict[str, float] = field(default_factory=dict)  # each measured recipe's sensitivity
     calibrated_rows: int = 0  # the rows (tokens) the calibration measured it on
+    M: Optional[int] = None  # the rows it was predicted for
     operand_errors: dict[str, dict[str, float]] = field(default_factory=dict)  # recipe -> {"input", "weight"}
 
     def gain(self, recipe: Optional[str] = None) -> Optional[float]:
@@ -87,7 +88,7 @@ def choose(M: int, K: int, N: int, errors: dict[str, float], profile: DeviceProf
     """The format of one GEMM under ``config`` (an auto :class:`~amp_fx.ir.fp8_rules.Fp8Config`) on ``profile``."""
     seconds = {"bf16": layer_seconds("bf16", M, K, N, profile)}
     seconds.update({recipe: layer_seconds(recipe, M, K, N, profile) for recipe in config.choices})
-    choice = Choice(None, "", "", seconds, dict(errors))
+    choice = Choice(None, "", "", seconds, dict(errors), M=M)
     if structural is not None:
         choice.rule, choice.why = structural
         return choice
