@@ -141,7 +141,7 @@ class Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w_t: torch.Tensor, spec: Fp8Spec, state: Optional[Fp8GemmState],
-                record: bool = True) -> torch.Tensor:
+                record: bool = True, recompute: bool = False) -> torch.Tensor:
         ctx.save_for_backward(x, w_t)
         ctx.spec, ctx.state = spec, state
         group = getattr(state, "group", None)  # None: a state saved before groups existed
@@ -153,8 +153,14 @@ class Fp8Matmul(torch.autograd.Function):
             return x.new_zeros(*x.shape[:-1], w_t.shape[1], dtype=spec.out_dtype)
         ctx.empty = False
         x2 = x.reshape(-1, x.shape[-1])
-        x8, x_scale = _quantize_as(x2, 0, E4M3, spec, state, dim=-1)
-        w8, w_scale = _quantize_as(w_t, 1, E4M3, spec, state, dim=0)
+        if recompute and spec.recipe == "delayed":
+            # Activation checkpointing recomputes this forward inside the backward: quantize with the scales the
+            # forward used (alone, the state's scale has moved on since) and record nothing a second time.
+            x8, x_scale = _quantize_as(x2, 0, E4M3, spec, None, scale=state.used_scale[0].clone())
+            w8, w_scale = _quantize_as(w_t, 1, E4M3, spec, None, scale=state.used_scale[1].clone())
+        else:
+            x8, x_scale = _quantize_as(x2, 0, E4M3, spec, state, dim=-1)
+            w8, w_scale = _quantize_as(w_t, 1, E4M3, spec, state, dim=0)
         if spec.recipe == "delayed":
             ctx.scales = (x_scale, w_scale)
             if record:  # a training forward; evaluation (no_grad) uses the trained scales and changes nothing
@@ -199,7 +205,7 @@ class Fp8Matmul(torch.autograd.Function):
             group = getattr(state, "group", None)
             if group is not None and group.pending:
                 group.stepped = True  # the next forward starts a new step: it syncs this one
-        return grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1]), grad_w.t(), None, None, None
+        return grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1]), grad_w.t(), None, None, None, None
 
 
 def _gw_hp_backward(x: torch.Tensor, w_t: torch.Tensor, grad_out: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor,
@@ -218,7 +224,7 @@ def _gw_hp_backward(x: torch.Tensor, w_t: torch.Tensor, grad_out: torch.Tensor, 
                        fast_accum=False, emulate=spec.emulate)
     dtype = _grad_dtype(w_t, grad_out)  # an fp32 weight at O1: its gradient in fp32, from the bf16 grad_output
     grad_w = torch.mm(g2.t().to(dtype), x2.to(dtype))
-    return grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1]), grad_w.t(), None, None, None
+    return grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1]), grad_w.t(), None, None, None, None
 
 
 def _empty_backward(x: torch.Tensor, w_t: torch.Tensor, grad_out: torch.Tensor, spec: Fp8Spec,
@@ -229,7 +235,7 @@ def _empty_backward(x: torch.Tensor, w_t: torch.Tensor, grad_out: torch.Tensor, 
         group.stepped = True  # the other ranks' GEMMs saw rows: this rank must join the next forward's sync too
     grad_x = torch.zeros_like(x, dtype=_grad_dtype(x, grad_out))
     grad_w = torch.zeros_like(w_t, dtype=_grad_dtype(w_t, grad_out))
-    return grad_x, grad_w, None, None, None
+    return grad_x, grad_w, None, None, None, None
 
 
 def _grad_dtype(operand: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
@@ -253,7 +259,10 @@ def _delayed_gemm(x: torch.Tensor, w_t: torch.Tensor, spec: Fp8Spec, state: Opti
     """
     # Under no_grad (evaluation) a delayed GEMM records no amax and starts no sync: an evaluation must not move
     # the scales training uses next, nor join a collective the other ranks may not make.
-    return Fp8Matmul.apply(x, w_t, spec, state, torch.is_grad_enabled())
+    # A forward run while autograd runs a backward is activation checkpointing's recomputation: its amaxes were
+    # recorded by the forward it repeats.
+    recompute = torch._C._current_graph_task_id() != -1
+    return Fp8Matmul.apply(x, w_t, spec, state, torch.is_grad_enabled() and not recompute, recompute)
 
 
 def _gemm(x: torch.Tensor, w_t: torch.Tensor, spec: Fp8Spec, state: Optional[Fp8GemmState]) -> torch.Tensor:

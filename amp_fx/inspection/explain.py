@@ -70,21 +70,27 @@ class Fp8Explanation:
         for row in self.rows:
             label = (row.module or row.name)[-28:]
             error = "-" if row.sensitivity is None else f"{row.sensitivity:.1%}"
-            fp8 = "-" if row.fp8_s is None else f"{row.fp8_s * 1e6:.4g}"
+            fp8 = "-" if row.fp8_s is None else _us(row.fp8_s)
             if row.fp8_s is not None and row.format == "bf16":
                 fp8 += "*"  # the fastest fp8 recipe's, not run
             lines.append(f"{label:<28} {_n(row.M):>6} {_n(row.K):>6} {_n(row.N):>6} "
-                         f"{'-' if row.bf16_s is None else f'{row.bf16_s * 1e6:.4g}':>9} {fp8:>9} "
+                         f"{'-' if row.bf16_s is None else _us(row.bf16_s):>9} {fp8:>9} "
                          f"{row.format:<19} {error:>6}  {row.why}")
         share = "-" if self.fp8_flop_share is None else f"{self.fp8_flop_share:.1%}"
         gain = "-" if self.gain is None else f"{self.gain:+.1%}"
-        times = "" if self.bf16_s is None else f" ({self.plan_s * 1e6:.4g} us vs {self.bf16_s * 1e6:.4g} us all bf16)"
+        times = "" if self.bf16_s is None else f" ({_us(self.plan_s)} us vs {_us(self.bf16_s)} us all bf16)"
         lines.append(f"{self.fp8} of {self.total} GEMMs fp8, {share} of GEMM FLOPs fp8, predicted GEMM time {gain}{times}")
         if any(row.fp8_s is not None and row.format == "bf16" for row in self.rows):
             lines.append("* a GEMM kept bf16: its fastest fp8 recipe's predicted time (and that recipe's measured error)")
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _us(seconds: float) -> str:
+    """Microseconds, to 0.1 us from 100 us up, else 3 significant digits."""
+    us = seconds * 1e6
+    return f"{us:.1f}" if us >= 100 else f"{us:.3g}"
 
 
 def _n(value: Optional[int]) -> str:

@@ -80,7 +80,8 @@ def structural_rule(*, first: bool, last: bool, module_path: str, N: Optional[in
 
 
 def _us(seconds: float) -> str:
-    return f"{seconds * 1e6:.3g} us"
+    us = seconds * 1e6
+    return f"{us:.0f} us" if us >= 100 else f"{us:.3g} us"
 
 
 def choose(M: int, K: int, N: int, errors: dict[str, float], profile: DeviceProfile, config,
