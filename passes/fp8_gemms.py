@@ -233,6 +233,9 @@ def _rewrite(gm: fx.GraphModule, gemm: Gemm, config: Fp8Config, why: str, ctx: P
     else:
         name, state_node = _add_state(gm, gemm, config, taken)
     spec = Fp8Spec(config.recipe, meta.LOW_DTYPE.get(node) or ctx.low, config.emulate, config.amax_compute, config.margin)
+    if name is not None:
+        # Known before the first call: a sync of amaxes loaded from a checkpoint needs the recipe's margin.
+        getattr(gm, STATE_ROOT).get_submodule(name).spec = spec
     operands = [gemm.act, gemm.weight]
     node.target = fp8_linear if gemm.op == "linear" else fp8_matmul
     node.args, node.kwargs = (_high_precision(gemm.act), weight, spec, state_node), {}

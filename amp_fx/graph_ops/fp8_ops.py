@@ -115,9 +115,36 @@ class Fp8GemmState(nn.Module):
         # Deferred updates: this step's local amax per operand, -1 where none yet (a plain tensor, not a buffer).
         self.pending_amax: Optional[torch.Tensor] = None
         self.spec: Optional[Fp8Spec] = None  # the recipe of the last call (the group's sync needs its margin)
+        if delayed:
+            # The pending amaxes are no buffer (DDP would broadcast rank 0's over the others'), but a checkpoint
+            # saved between a backward and the next sync must carry them: a state_dict entry of their own.
+            self.register_state_dict_post_hook(_save_pending)
+            self.register_load_state_dict_pre_hook(_load_pending)
 
     def extra_repr(self) -> str:
         return f"delayed={self.delayed}, history_len={self.amax_history.shape[1]}"
+
+
+PENDING_KEY = "pending_amax"  # a delayed state's state_dict entry: the step's local amaxes, -1 where none
+
+
+def _save_pending(module: Fp8GemmState, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    pending = module.pending_amax
+    state_dict[prefix + PENDING_KEY] = (torch.full((3,), -1.0, device=module.scale.device) if pending is None
+                                        else pending.detach().clone())
+
+
+def _load_pending(module: Fp8GemmState, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Restore the pending amaxes (and the group's flags: the next forward or step syncs them); a key may be absent."""
+    value = state_dict.pop(prefix + PENDING_KEY, None)
+    if value is None:
+        return
+    pending = value.detach().clone().to(module.scale.device, torch.float32)
+    module.pending_amax = None if bool((pending < 0).all()) else pending
+    group = module.group
+    if group is not None and module.pending_amax is not None:
+        group.pending = True
+        group.stepped = group.stepped or bool(pending[2] >= 0)  # a backward recorded: the next forward syncs
 
 
 def _quantize_as(tensor: torch.Tensor, role: int, dtype: torch.dtype, spec: Fp8Spec, state: Optional[Fp8GemmState],

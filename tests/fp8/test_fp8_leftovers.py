@@ -68,3 +68,33 @@ def test_checkpointed_delayed_gemm_records_each_step_once():
         assert torch.equal(p, q), name
     for name, state in amp_fx.fp8_states(plain).items():
         assert torch.equal(state.amax_history, amp_fx.fp8_states(ckpt)[name].amax_history), name
+
+
+def test_pending_amaxes_travel_in_state_dict():
+    """Deferred updates (fp8_sync(gm, optimizer)): a checkpoint saved after the backward, before the step, resumes exactly."""
+    torch.manual_seed(1)
+    model = Net(ckpt=False)
+    first = _convert(copy.deepcopy(model))
+    optimizer = torch.optim.SGD(first.parameters(), lr=0.1)
+    amp_fx.fp8_sync(first, optimizer)
+    x = torch.randn(8, 32) * 3
+    first(x).float().pow(2).mean().backward()
+    saved = copy.deepcopy(first.state_dict())
+    assert (saved["amp_fx_fp8.fc1.pending_amax"] > 0).all()  # input, weight and grad_output recorded, not synced
+    second = _convert(copy.deepcopy(model))
+    second.load_state_dict(saved)  # strict: the key is the model's own
+    second_optimizer = torch.optim.SGD(second.parameters(), lr=0.1)
+    for p, q in zip(first.parameters(), second.parameters()):
+        q.grad = p.grad.clone()
+    amp_fx.fp8_sync(second, second_optimizer)
+    optimizer.step()
+    second_optimizer.step()
+    for name, state in amp_fx.fp8_states(first).items():
+        other = amp_fx.fp8_states(second)[name]
+        assert (state.amax_history[:, 0] > 0).all()
+        assert torch.equal(state.amax_history, other.amax_history) and torch.equal(state.scale, other.scale), name
+    y = torch.randn(8, 32)
+    assert torch.equal(first(y), second(y))
+    # tensorwise keeps no state: still no fp8 keys in its state_dict
+    plain = amp_fx.convert(copy.deepcopy(model), "O1", example_inputs=(x,), fp8={"size_rule": "all"})
+    assert list(plain.state_dict()) == list(model.state_dict())
