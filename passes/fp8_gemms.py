@@ -289,6 +289,7 @@ _CHANGE = {
     "keep_routers": "Fp8Config(keep_routers=False)",
     "legality": "no option: fp8 needs K and N multiples of 16, a 2-D parameter operand, a GEMM painted low",
     "policy": "the policy rule that covers them",
+    "not_asked": "fp8= for the whole model, or a policy 'fp8' that covers them",
     "not_measured": "example inputs that reach them",
     "no_shape": "example inputs with static shapes",
 }
@@ -301,9 +302,9 @@ def _warn_nothing_converted(gemms: list[dict], config: Optional[Fp8Config]) -> N
         by_rule.setdefault(row["rule"], []).append(row)
     parts = [f"{len(rows)} by {rule} ({rows[0]['why']}; change: {_CHANGE.get(rule, 'see docs/fp8.md')})"
              for rule, rows in sorted(by_rule.items(), key=lambda item: -len(item[1]))]
-    recipe = config.recipe if config is not None else "policy 'fp8'"
+    recipe = f"recipe {config.recipe}" if config is not None else "by a policy 'fp8'"
     warnings.warn(Fp8NothingConvertedWarning(
-        f"fp8 was asked for (recipe {recipe}) but none of the {len(gemms)} GEMMs was converted; kept: "
+        f"fp8 was asked for ({recipe}) but none of the {len(gemms)} GEMMs was converted; kept: "
         + "; ".join(parts) + f". {PACKAGE}.explain(gm) shows each GEMM"), stacklevel=2)
 
 

@@ -19,13 +19,15 @@ scale-and-cast read, the fp8 write), per recipe:
 
 The model is a bound, not a measurement: real kernels reach a fraction of peak
 (less for small GEMMs), so its use is the *ratio* fp8 / bf16 per GEMM.  Pure
-arithmetic: it imports nothing but the standard library.
+arithmetic (no torch).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
+
+from amp_fx.errors import AmpValueError
 
 __all__ = ["DeviceProfile", "DEVICES", "device_profile", "gemm_seconds", "layer_seconds", "QUANT_BYTES", "FORMATS"]
 
@@ -52,8 +54,8 @@ DEVICES = {
 }
 
 
-def device_profile(device: Union[str, DeviceProfile]) -> DeviceProfile:
-    """The profile named ``device`` (``"h100"``, ``"h200"``, ``"b200"``) or ``device`` itself; KeyError-free: None if unknown."""
+def device_profile(device: Union[str, DeviceProfile]) -> Optional[DeviceProfile]:
+    """The profile named ``device`` (``"h100"``, ``"h200"``, ``"b200"``) or ``device`` itself; None if unknown."""
     if isinstance(device, DeviceProfile):
         return device
     return DEVICES.get(str(device).lower())
@@ -76,7 +78,7 @@ def _cast_bytes(recipe: str, M: int, K: int, N: int) -> float:
         return 2 * QUANT_BYTES * (x + w + g) + 4 * (M * K + N * K)  # + the post-scaled grad_input and grad_weight
     if recipe == "rowwise_with_gw_hp":
         return QUANT_BYTES * (x + 2 * w + g) + 4 * M * K  # + the post-scaled grad_input
-    raise ValueError(f"no cost model for fp8 recipe {recipe!r}")
+    raise AmpValueError(f"no cost model for fp8 recipe {recipe!r}; it models {FORMATS[1:]}")
 
 
 def layer_seconds(fmt: str, M: int, K: int, N: int, profile: DeviceProfile) -> float:
