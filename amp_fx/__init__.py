@@ -45,6 +45,8 @@ _LAZY = {
     "fp8_sync": ".passes.fp8_gemms",
     "fp8_report": ".inspection.fp8_view",
     "track_fp8": ".inspection.fp8_view",
+    "explain": ".inspection.explain",
+    "Fp8NothingConvertedWarning": ".ir.fp8_rules",
     # cache_casts=True: drop cached weight casts after a write through p.data
     "clear_cast_cache": ".graph_ops.cast_cache",
     # errors and warnings docs/refusals.md and docs/training.md name as amp_fx.X

@@ -28,9 +28,11 @@ with the share of GEMM FLOPs that run in fp8.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import re
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -41,9 +43,12 @@ from amp_fx.errors import PACKAGE, AmpNotImplementedError, AmpTypeError, AmpValu
 from amp_fx.frontend.declared_precision import policy_target
 from amp_fx.graph_ops.fp8_ops import Fp8GemmState, Fp8Group, Fp8Spec, fp8_linear, fp8_matmul
 from amp_fx.ir import meta, op_properties
-from amp_fx.ir.cast_nodes import cast_source, is_inserted_cast
-from amp_fx.ir.fp8_rules import Fp8Config, can_fp8, should_fp8
+from amp_fx.ir.cast_nodes import is_inserted_cast
+from amp_fx.ir.fp8_choice import Choice
+from amp_fx.ir.fp8_cost import DEVICES, FORMATS, layer_seconds
+from amp_fx.ir.fp8_rules import Fp8Config, Fp8NothingConvertedWarning, can_fp8, should_fp8
 from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
+from amp_fx.passes.fp8_auto import high_precision as _high_precision, is_weight as _is_weight, plan_auto
 from amp_fx.passes.pad_gemm import Gemm, find_gemm
 
 __all__ = ["fp8_gemms", "STATE_ROOT", "fp8_states", "fp8_group", "fp8_sync"]
@@ -109,20 +114,6 @@ def fp8_sync(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = Non
 # --------------------------------------------------------------------------
 # The rewrite
 # --------------------------------------------------------------------------
-def _high_precision(value: Any) -> Any:
-    """The value an fp8 GEMM quantizes: the source of a cast ``insert_casts`` wrote for it, else the value."""
-    if isinstance(value, fx.Node) and is_inserted_cast(value) and cast_source(value) is not None:
-        return cast_source(value)
-    return value
-
-
-def _is_weight(value: Any) -> bool:
-    """A 2-D parameter (or buffer), possibly through its inserted cast."""
-    source = _high_precision(value)
-    shape = meta.shape(value)
-    return isinstance(source, fx.Node) and meta.PARAM.get(source) is not None and shape is not None and len(shape) == 2
-
-
 def _with_weight_sizes(gemm: Gemm) -> Gemm:
     """``gemm`` with K and N read off its 2-D parameter operand where the activation's shape is unknown.
 
@@ -138,8 +129,11 @@ def _policy_decision(node: fx.Node, ctx: PassContext) -> Optional[Any]:
     return ctx.policy.decide(meta.OP.get(node), policy_target(node), meta.MODULE_STACK.get(node) or [])
 
 
-def _decide(gemm: Gemm, ctx: PassContext) -> tuple[Optional[Fp8Config], str]:
-    """(the recipe, why) for an fp8 GEMM; (None, why not) otherwise.  The policy first, then legality, then size."""
+def _decide(gemm: Gemm, ctx: PassContext, choice: Optional[Choice]) -> tuple[Optional[Fp8Config], str, str]:
+    """(the recipe, why, rule) for an fp8 GEMM; (None, why not, the rule that kept it) otherwise.
+
+    The policy first, then legality, then size (``size_rule``) or, under ``recipe="auto"``, its :class:`Choice`.
+    """
     node = gemm.node
     rule = _policy_decision(node, ctx)
     act_shape = meta.shape(gemm.act)
@@ -147,16 +141,36 @@ def _decide(gemm: Gemm, ctx: PassContext) -> tuple[Optional[Fp8Config], str]:
     legal, why = can_fp8(gemm.op, decision=meta.DECISION.get(node), K=gemm.K, N=gemm.N,
                          act_dims=None if act_shape is None else len(act_shape), weight_is_param=_is_weight(gemm.weight),
                          scaled=scaled or len(node.args) > 3)
+    config = ctx.config.fp8
     if _asks_fp8(rule):
-        return (ctx.config.fp8 or _DEFAULT, rule.describe()) if legal else (None, f"{rule.describe()}, but {why}")
+        if not legal:
+            return None, f"{rule.describe()}, but {why}", "legality"
+        return _forced(config, choice), rule.describe(), "policy"
     if rule is not None:
-        return None, f"{rule.describe()} keeps it out of fp8"
-    if ctx.config.fp8 is None:
-        return None, "fp8 not asked for it (no fp8=, and no policy 'fp8' covers it)"
+        return None, f"{rule.describe()} keeps it out of fp8", "policy"
+    if config is None:
+        return None, "fp8 not asked for it (no fp8=, and no policy 'fp8' covers it)", "not_asked"
     if not legal:
-        return None, why
-    worth_it, why_not = should_fp8(gemm.K, gemm.N, ctx.config.fp8)
-    return (ctx.config.fp8, f"K={gemm.K} N={gemm.N} eligible") if worth_it else (None, why_not)
+        return None, why, "legality"
+    if config.auto:
+        if choice is None or choice.recipe is None:
+            return None, choice.why if choice else "not planned", choice.rule if choice else "not_measured"
+        return dataclasses.replace(config, recipe=choice.recipe), choice.why, "auto"
+    worth_it, why_not = should_fp8(gemm.K, gemm.N, config)
+    return (config, f"K={gemm.K} N={gemm.N} eligible", "size_rule") if worth_it else (None, why_not, "size_rule")
+
+
+def _forced(config: Optional[Fp8Config], choice: Optional[Choice]) -> Fp8Config:
+    """The recipe of a GEMM a policy's ``"fp8"`` forces: the config's; under auto its choice, else its least-error recipe."""
+    if config is None:
+        return _DEFAULT
+    if not config.auto:
+        return config
+    if choice is not None and choice.recipe is not None:
+        return dataclasses.replace(config, recipe=choice.recipe)
+    errors = choice.errors if choice is not None else {}
+    recipe = min(config.choices, key=lambda r: errors.get(r, float("inf"))) if errors else config.choices[0]
+    return dataclasses.replace(config, recipe=recipe)
 
 
 def _asks_fp8(rule: Optional[Any]) -> bool:
@@ -219,6 +233,9 @@ def _rewrite(gm: fx.GraphModule, gemm: Gemm, config: Fp8Config, why: str, ctx: P
     else:
         name, state_node = _add_state(gm, gemm, config, taken)
     spec = Fp8Spec(config.recipe, meta.LOW_DTYPE.get(node) or ctx.low, config.emulate, config.amax_compute, config.margin)
+    if name is not None:
+        # Known before the first call: a sync of amaxes loaded from a checkpoint needs the recipe's margin.
+        getattr(gm, STATE_ROOT).get_submodule(name).spec = spec
     operands = [gemm.act, gemm.weight]
     node.target = fp8_linear if gemm.op == "linear" else fp8_matmul
     node.args, node.kwargs = (_high_precision(gemm.act), weight, spec, state_node), {}
@@ -254,45 +271,94 @@ def _flops(gemm: Gemm) -> Optional[int]:
     return None if gemm.M is None or gemm.K is None or gemm.N is None else 2 * gemm.M * gemm.K * gemm.N
 
 
+def _seconds(gemm: Gemm, M: Optional[int], config: Optional[Fp8Config]) -> dict[str, float]:
+    """The roofline model's seconds of the GEMM's three training GEMMs per format (empty when M, K or N is unknown)."""
+    if not all(isinstance(v, int) and v > 0 for v in (M, gemm.K, gemm.N)):
+        return {}
+    profile = config.profile if config is not None else DEVICES["h100"]
+    return {fmt: layer_seconds(fmt, M, gemm.K, gemm.N, profile) for fmt in FORMATS}
+
+
+# The option that changes what each rule keeps out of fp8 (the warning of a request that converted nothing names it).
+_CHANGE = {
+    "size_rule": "Fp8Config(size_rule='all') takes every legal GEMM (or recipe='auto' decides by shape and error)",
+    "min_gain": "a lower Fp8Config(min_gain=...), tokens= for the real batch, or a device profile with more headroom",
+    "error_budget": "a larger Fp8Config(error_budget=...)",
+    "keep_first": "Fp8Config(keep_first=False)",
+    "keep_last": "Fp8Config(keep_last=False)",
+    "keep_routers": "Fp8Config(keep_routers=False)",
+    "legality": "no option: fp8 needs K and N multiples of 16, a 2-D parameter operand, a GEMM painted low",
+    "policy": "the policy rule that covers them",
+    "not_asked": "fp8= for the whole model, or a policy 'fp8' that covers them",
+    "not_measured": "example inputs that reach them",
+    "no_shape": "example inputs with static shapes",
+}
+
+
+def _warn_nothing_converted(gemms: list[dict], config: Optional[Fp8Config]) -> None:
+    """fp8 was asked for and nothing converted: say which rule kept how many GEMMs, and the option that changes it."""
+    by_rule: dict[str, list[dict]] = {}
+    for row in gemms:
+        by_rule.setdefault(row["rule"], []).append(row)
+    parts = [f"{len(rows)} by {rule} ({rows[0]['why']}; change: {_CHANGE.get(rule, 'see docs/fp8.md')})"
+             for rule, rows in sorted(by_rule.items(), key=lambda item: -len(item[1]))]
+    recipe = f"recipe {config.recipe}" if config is not None else "by a policy 'fp8'"
+    warnings.warn(Fp8NothingConvertedWarning(
+        f"fp8 was asked for ({recipe}) but none of the {len(gemms)} GEMMs was converted; kept: "
+        + "; ".join(parts) + f". {PACKAGE}.explain(gm) shows each GEMM"), stacklevel=2)
+
+
 @amp_pass(kind="rewrite", requires=("meta", "paint"))
 def fp8_gemms(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Rewrite each low GEMM the policy, ``can_fp8`` and ``should_fp8`` choose into a scaled fp8 GEMM."""
+    """Rewrite each low GEMM the policy, ``can_fp8`` and ``should_fp8`` (or ``recipe="auto"``) choose into a scaled fp8 GEMM."""
     gemms, lines, taken = [], [], set(fp8_states(gm))
     total_flops = fp8_flops = 0
-    asked = ctx.config.fp8 is not None  # or a policy's "fp8" covers a GEMM (below)
+    config = ctx.config.fp8
+    asked = config is not None  # or a policy's "fp8" covers a GEMM (below)
     low = str(ctx.low).replace("torch.", "")
+    found = []
     for node in list(gm.graph.nodes):
         gemm = find_gemm(node)
         if gemm is None:
             continue
         flops = _flops(gemm)
         total_flops += flops or 0
-        if not op_properties.of(gemm.op).fp8:
-            continue
-        gemm = _with_weight_sizes(gemm)
+        if op_properties.of(gemm.op).fp8:
+            found.append((_with_weight_sizes(gemm), flops))
+    plan = plan_auto(gm, ctx, [g for g, _ in found]) if config is not None and config.auto and found else {}
+    for gemm, flops in found:
+        node = gemm.node
         forced = _asks_fp8(_policy_decision(node, ctx))
         asked = asked or forced
-        config, why = _decide(gemm, ctx)
-        state = _rewrite(gm, gemm, config, why, ctx, taken) if config is not None else None
-        if config is not None:
+        choice = plan.get(node)
+        chosen, why, rule = _decide(gemm, ctx, choice)
+        state = _rewrite(gm, gemm, chosen, why, ctx, taken) if chosen is not None else None
+        if chosen is not None:
             fp8_flops += flops or 0
-            logger.debug("fp8 %s (%s): %s", node.name, config.recipe, why)
+            logger.debug("fp8 %s (%s): %s", node.name, chosen.recipe, why)
         elif forced:
             # A policy's "fp8" painted it low "its GEMMs fp8": its row must not claim fp8 it does not run.
             meta.REASON.set(node, f"{why}: runs {low}, not fp8")
         where = f" ({meta.MODULE_PATH.get(node)})" if meta.MODULE_PATH.get(node) else ""
-        rows = "?" if gemm.M is None else gemm.M
-        head = f"{gemm.op} {node.name}{where}: M={rows} K={gemm.K} N={gemm.N}"
-        lines.append(f"{head} -> fp8 {config.recipe} ({why})" if config else f"{head} kept {low} ({why})")
-        gemms.append({"node": node.name, "op": gemm.op, "module": meta.MODULE_PATH.get(node, ""), "M": gemm.M,
-                      "K": gemm.K, "N": gemm.N, "flops": flops, "fp8": config is not None,
-                      "recipe": config.recipe if config else None, "why": why, "state": state})
+        M = choice.M if choice is not None and choice.M else gemm.M
+        head = f"{gemm.op} {node.name}{where}: M={'?' if M is None else M} K={gemm.K} N={gemm.N}"
+        lines.append(f"{head} -> fp8 {chosen.recipe} ({why})" if chosen else f"{head} kept {low} ({why})")
+        gemms.append({"node": node.name, "op": gemm.op, "module": meta.MODULE_PATH.get(node, ""), "M": M,
+                      "K": gemm.K, "N": gemm.N, "flops": flops, "fp8": chosen is not None,
+                      "recipe": chosen.recipe if chosen else None, "why": why, "rule": rule, "state": state,
+                      "seconds": choice.seconds if choice is not None and choice.seconds else _seconds(gemm, M, config),
+                      "errors": dict(choice.errors) if choice is not None else {},
+                      "operand_errors": dict(choice.operand_errors) if choice is not None else {},
+                      "calibrated_rows": choice.calibrated_rows if choice is not None else None})
     count = sum(1 for g in gemms if g["fp8"])
     if not asked:
         lines = []  # a conversion that asked for no fp8 (by fp8= or a policy) carries no fp8 lines
     share = fp8_flops / total_flops if total_flops else None
     if asked:
         lines.append(f"{count} of {len(gemms)} GEMMs fp8" + (f", {share:.1%} of GEMM FLOPs" if share is not None else ""))
+        if count == 0 and gemms:
+            _warn_nothing_converted(gemms, config)
     stats = {"gemms": gemms, "fp8": count, "asked": asked, "candidates": len(gemms), "fp8_flops": fp8_flops,
-             "gemm_flops": total_flops, "fp8_flop_share": share, "report_lines": lines}
+             "gemm_flops": total_flops, "fp8_flop_share": share, "report_lines": lines,
+             "device": config.profile.name if config is not None else "h100", "auto": bool(config and config.auto)}
     return PassResult(gm, count > 0, stats)

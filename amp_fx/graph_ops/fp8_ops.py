@@ -23,6 +23,8 @@ Recipes (``spec.recipe``):
 
 - ``"tensorwise"``: one scale per tensor, recomputed on every call (torchao's default);
 - ``"rowwise"``: one power-of-two scale per row of each GEMM operand (torchao's ``rowwise``);
+- ``"rowwise_with_gw_hp"``: rowwise forward; grad_input from a rowwise grad_output and a tensorwise weight;
+  grad_weight in high precision (torchao's ``rowwise_with_gw_hp``);
 - ``"delayed"``: Transformer Engine's delayed scaling; each tensor is quantized with a
   scale computed from the amax history of earlier calls, and then records its own amax.
   History and scales are the tensors of an :class:`Fp8GemmState` (module buffers).
@@ -36,16 +38,8 @@ Every call also writes into its :class:`Fp8GemmState` the scales it used and,
 when ``state.track`` is on (``amp_fx.find_overflow``, ``amp_fx.fp8_report``), the
 fraction of values saturated at the format's max and flushed to zero.
 
-Delayed scaling's history is updated in one of two ways (:class:`Fp8Group`
-decides).  Alone (no process group, no step hook) every call records its amax
-and computes the next scale at once.  Under ``torch.distributed`` (or after
-``amp_fx.fp8_sync(gm, optimizer)``) a call only folds its *local* amax into the
-step's pending amax (``Fp8GemmState.pending_amax``, the max over the step's
-calls; no buffer, so DDP's buffer broadcast leaves it alone) and keeps the
-scale; :meth:`Fp8Group.sync` then max-reduces every GEMM's pending amaxes in
-one ``all_reduce`` of one flattened tensor, pushes them into the histories
-(one entry per step) and recomputes every scale -- once per step: at the first
-fp8 GEMM of the forward after a backward, or at the optimizer step.
+Scales, quantization, the scaled GEMM kernel call and delayed scaling's shared history update
+live in :mod:`amp_fx.graph_ops.fp8_scaling` (re-exported here).
 This module imports only torch.
 """
 
@@ -58,33 +52,37 @@ import torch.nn as nn
 from torch.fx import Proxy
 
 from amp_fx.errors import AmpNotImplementedError
+from amp_fx.graph_ops.fp8_scaling import (E4M3, E5M2, EPS, Fp8Group, _delayed_update, _record, amax_of,  # noqa: F401
+                                          amax_to_scale, delayed_scale, quantize, scaled_mm)
 
 __all__ = ["Fp8Spec", "Fp8GemmState", "Fp8Group", "Fp8Matmul", "fp8_linear", "fp8_matmul", "amax_of", "amax_to_scale",
            "quantize", "scaled_mm", "delayed_scale", "E4M3", "E5M2", "EPS", "ROLES"]
 
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
-EPS = 1e-12  # amax floor, so an all-zero tensor gets a finite scale (torchao's value)
 ROLES = ("input", "weight", "grad_output")  # the rows of an Fp8GemmState's tensors
 
 
 class Fp8Spec(NamedTuple):
     """How one fp8 GEMM runs: the recipe and its options (a NamedTuple: fx prints it as a constant of the graph)."""
 
-    recipe: str = "tensorwise"  # tensorwise | rowwise | delayed
+    recipe: str = "tensorwise"  # tensorwise | rowwise | rowwise_with_gw_hp | delayed
     out_dtype: torch.dtype = torch.bfloat16  # the forward GEMM's result (the level's low dtype)
     emulate: bool = False  # fp32 mm of the dequantized operands instead of torch._scaled_mm
     amax_compute: str = "max"  # delayed: "max" of the history or its "most_recent" entry
     margin: int = 0  # delayed: scale = fp8_max / amax / 2**margin
 
     @property
+    def rowwise(self) -> bool:
+        """Scales per row of each operand (torchao's axiswise), rounded down to powers of two."""
+        return self.recipe in ("rowwise", "rowwise_with_gw_hp")
+
+    @property
     def grad_dtype(self) -> torch.dtype:
-        """grad_output's fp8 format: e5m2 (range) except rowwise, which keeps e4m3 as torchao's rowwise does."""
-        return E4M3 if self.recipe == "rowwise" else E5M2
+        """grad_output's fp8 format: e5m2 (range) except the rowwise recipes, which keep e4m3 as torchao's do."""
+        return E4M3 if self.rowwise else E5M2
 
     @property
     def power_of_two(self) -> bool:
-        return self.recipe == "rowwise"
+        return self.rowwise
 
 
 class Fp8GemmState(nn.Module):
@@ -117,205 +115,36 @@ class Fp8GemmState(nn.Module):
         # Deferred updates: this step's local amax per operand, -1 where none yet (a plain tensor, not a buffer).
         self.pending_amax: Optional[torch.Tensor] = None
         self.spec: Optional[Fp8Spec] = None  # the recipe of the last call (the group's sync needs its margin)
+        if delayed:
+            # The pending amaxes are no buffer (DDP would broadcast rank 0's over the others'), but a checkpoint
+            # saved between a backward and the next sync must carry them: a state_dict entry of their own.
+            self.register_state_dict_post_hook(_save_pending)
+            self.register_load_state_dict_pre_hook(_load_pending)
 
     def extra_repr(self) -> str:
         return f"delayed={self.delayed}, history_len={self.amax_history.shape[1]}"
 
 
-# --------------------------------------------------------------------------
-# Scales and quantization
-# --------------------------------------------------------------------------
-@torch.no_grad()
-def amax_of(tensor: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
-    """``max(abs(tensor))``: of the whole tensor (0-dim) or along ``dim`` (kept as a size-1 dim)."""
-    if dim is None:
-        return torch.max(torch.abs(tensor))
-    return torch.amax(torch.abs(tensor), dim=dim, keepdim=True)
+PENDING_KEY = "pending_amax"  # a delayed state's state_dict entry: the step's local amaxes, -1 where none
 
 
-@torch.no_grad()
-def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_two: bool = False) -> torch.Tensor:
-    """float32 ``finfo(dtype).max / max(amax, EPS)``, divided in float64 (eager and compiled agree)."""
-    scale = (torch.finfo(dtype).max / torch.clamp(amax.to(torch.float64), min=EPS)).to(torch.float32)
-    if power_of_two:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
-    return scale
+def _save_pending(module: Fp8GemmState, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    pending = module.pending_amax
+    state_dict[prefix + PENDING_KEY] = (torch.full((3,), -1.0, device=module.scale.device) if pending is None
+                                        else pending.detach().clone())
 
 
-def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor * scale`` in float32, saturated to ``dtype``'s range, rounded to ``dtype`` (nearest even)."""
-    limit = torch.finfo(dtype).max
-    return (tensor.to(torch.float32) * scale).clamp(min=-limit, max=limit).to(dtype)
-
-
-def _row_major(tensor: torch.Tensor) -> bool:
-    stride = tensor.stride()
-    return stride[0] > stride[1] and stride[1] == 1
-
-
-def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
-              *, fast_accum: bool, emulate: bool) -> torch.Tensor:
-    """``(a / a_scale) @ (b / b_scale)`` of 2-D fp8 operands, in ``out_dtype``.
-
-    Scales are 0-dim (tensorwise), or ``(M, 1)`` and ``(1, N)`` (rowwise).
-    ``torch._scaled_mm`` wants ``a`` row-major and ``b`` column-major and
-    multiplies by the reciprocal scales; a rowwise GEMM without fast
-    accumulation runs the tensorwise kernel and scales its result after, and
-    one with a float32 or float16 result runs in bfloat16 (the rowwise kernel
-    makes no other), as torchao does.
-    """
-    if emulate:
-        return torch.mm(a.float() / a_scale, b.float() / b_scale).to(out_dtype)
-    if not _row_major(a):
-        a = a.contiguous()
-    if _row_major(b):
-        b = b.t().contiguous().t()
-    a_inverse, b_inverse = a_scale.reciprocal(), b_scale.reciprocal()
-    rowwise = a_scale.shape == (a.shape[0], 1) and b_scale.shape == (1, b.shape[1])
-    post_scale = None
-    if rowwise and not fast_accum:
-        post_scale = a_inverse * b_inverse
-        a_inverse = a_inverse.new_ones(())
-        b_inverse = a_inverse.new_ones(())
-    kernel_dtype = torch.bfloat16 if rowwise and out_dtype in (torch.float16, torch.float32) else out_dtype
-    out = torch._scaled_mm(a, b, scale_a=a_inverse, scale_b=b_inverse, out_dtype=kernel_dtype, use_fast_accum=fast_accum)
-    if post_scale is not None:
-        out *= post_scale
-    return out.to(out_dtype) if kernel_dtype != out_dtype else out
-
-
-# --------------------------------------------------------------------------
-# Delayed scaling and records
-# --------------------------------------------------------------------------
-@torch.no_grad()
-def delayed_scale(history: torch.Tensor, old_scale: torch.Tensor, dtype: torch.dtype, amax_compute: str,
-                  margin: int) -> torch.Tensor:
-    """Transformer Engine's scale from an amax history: ``fp8_max / amax / 2**margin``; an amax of 0 or inf keeps ``old_scale``."""
-    amax = history.max() if amax_compute == "max" else history[0]
-    scale = (torch.finfo(dtype).max / amax) / (2.0 ** margin)
-    return torch.where(torch.isfinite(amax) & (amax > 0), scale, old_scale)
-
-
-def _world_size() -> int:
-    """The default process group's size; 1 without one."""
-    import torch.distributed as dist  # noqa: PLC0415 (lazy: most runs have no process group)
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-class Fp8Group:
-    """The delayed-scaling GEMMs of one converted module, whose histories are updated (and reduced) together.
-
-    A plain object every :class:`Fp8GemmState` of the module points to (not a
-    module: it is no state of its own).  ``deferred()``: calls record local
-    amaxes and leave the scales to :meth:`sync` -- under a process group of
-    more than one rank, or once ``on_step`` (a step hook calls :meth:`sync`).
-    ``paused``: a diagnosis run (``find_overflow``, ``fp8_report``) that must
-    start no collective.
-    """
-
-    def __init__(self) -> None:
-        self.states: list[Fp8GemmState] = []
-        self.pending = False  # local amaxes recorded since the last sync
-        self.stepped = False  # a backward recorded grad_output amaxes since: the next forward is a new step
-        self.on_step = False  # amp_fx.fp8_sync(gm, optimizer): sync at the optimizer step, not the next forward
-        self.paused = False
-        self.syncs = 0  # how many syncs reduced across ranks (one all_reduce each)
-
-    def deferred(self) -> bool:
-        return self.on_step or _world_size() > 1
-
-    def before_forward(self) -> None:
-        """The lazy sync point: the first fp8 GEMM of a forward after a backward reduces that step's amaxes."""
-        if self.stepped and not self.on_step and not self.paused:
-            self.sync()
-
-    @torch.no_grad()
-    def sync(self) -> bool:
-        """Max-reduce the step's pending amaxes across ranks (one all_reduce), push them into the histories, rescale.
-
-        Every delayed GEMM contributes its 3 pending amaxes (-1 for an operand
-        no call quantized: it gets no history entry), so the flattened tensor
-        has the same length on every rank.  Every rank must call it at the
-        same point (as it calls the forward); returns whether it communicated.
-        """
-        states = [s for s in self.states if s.delayed]  # all of them: the same length on every rank
-        communicated = False
-        if states:
-            flat = torch.cat([_pending(s) for s in states])
-            if _world_size() > 1:
-                import torch.distributed as dist  # noqa: PLC0415
-
-                dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-                communicated = True
-                self.syncs += 1
-            for i, s in enumerate(states):
-                if s.spec is None:
-                    continue  # never called here: no recipe options to compute a scale with
-                for role, dtype in enumerate(_role_dtypes(s.spec)):
-                    amax = flat[3 * i + role]
-                    if amax < 0:
-                        continue  # not quantized since the last sync
-                    history = s.amax_history[role]
-                    history.copy_(torch.roll(history, 1))
-                    history[0] = amax
-                    s.scale[role].copy_(delayed_scale(history, s.scale[role], dtype, s.spec.amax_compute, s.spec.margin))
-                s.pending_amax = None
-        self.pending = self.stepped = False
-        return communicated
-
-
-def _pending(state: Fp8GemmState) -> torch.Tensor:
-    """A state's pending amaxes (-1: none), on its own device."""
-    if state.pending_amax is None:
-        return torch.full((3,), -1.0, device=state.scale.device)
-    return state.pending_amax
-
-
-def _role_dtypes(spec: Fp8Spec) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
-    return E4M3, E4M3, spec.grad_dtype
-
-
-@torch.no_grad()
-def _record(state: Optional[Fp8GemmState], role: int, tensor: torch.Tensor, quantized: torch.Tensor,
-            scale: torch.Tensor, dtype: torch.dtype) -> None:
-    """Write the scale used and, while ``state.track``, the saturated and flushed fractions, the amax and a call count."""
-    if state is None:
+def _load_pending(module: Fp8GemmState, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Restore the pending amaxes (and the group's flags: the next forward or step syncs them); a key may be absent."""
+    value = state_dict.pop(prefix + PENDING_KEY, None)
+    if value is None:
         return
-    state.used_scale[role].copy_(scale.min())
-    if not state.delayed:
-        state.scale[role].copy_(scale.min())
-    if state.track:
-        limit = torch.finfo(dtype).max
-        scaled = tensor.to(torch.float32) * scale
-        count = max(tensor.numel(), 1)
-        # Clamped: beyond the largest finite value.  Current scaling maps the amax to the max through a float32
-        # scale and a float32 product (two roundings of 2**-24 each), so its amax may land one ulp above: no clamp.
-        saturated = (scaled.abs() > limit * (1 + 2.0 ** -22)).sum() / count
-        state.saturated[role].copy_(saturated)
-        state.flushed[role].copy_(((quantized.to(torch.float32) == 0) & (tensor != 0)).sum() / count)
-        state.saturated_steps[role] += (saturated > 0).to(torch.int64)
-        state.amax[role].copy_(amax_of(tensor).to(torch.float32))
-        state.calls[role] += 1
-
-
-@torch.no_grad()
-def _delayed_update(state: Fp8GemmState, role: int, tensor: torch.Tensor, spec: Fp8Spec, dtype: torch.dtype) -> None:
-    """Record ``tensor``'s amax (newest first) and compute the scale its next call uses; deferred: fold it into the step's."""
-    amax = amax_of(tensor).to(torch.float32)
-    state.spec = spec
-    group = getattr(state, "group", None)
-    if group is not None and group.deferred():
-        # local until Fp8Group.sync reduces it across ranks: one history entry per step, the max of its calls
-        if state.pending_amax is None:
-            state.pending_amax = torch.full((3,), -1.0, device=amax.device)
-        state.pending_amax[role] = torch.maximum(state.pending_amax[role], amax)
+    pending = value.detach().clone().to(module.scale.device, torch.float32)
+    module.pending_amax = None if bool((pending < 0).all()) else pending
+    group = module.group
+    if group is not None and module.pending_amax is not None:
         group.pending = True
-        return
-    history = state.amax_history[role]
-    history.copy_(torch.roll(history, 1))
-    history[0] = amax
-    state.scale[role].copy_(delayed_scale(history, state.scale[role], dtype, spec.amax_compute, spec.margin))
+        group.stepped = group.stepped or bool(pending[2] >= 0)  # a backward recorded: the next forward syncs
 
 
 def _quantize_as(tensor: torch.Tensor, role: int, dtype: torch.dtype, spec: Fp8Spec, state: Optional[Fp8GemmState],
@@ -325,7 +154,7 @@ def _quantize_as(tensor: torch.Tensor, role: int, dtype: torch.dtype, spec: Fp8S
         if spec.recipe == "delayed":
             scale = state.scale[role].clone()
         else:
-            scale = amax_to_scale(amax_of(tensor, dim if spec.recipe == "rowwise" else None), dtype, spec.power_of_two)
+            scale = amax_to_scale(amax_of(tensor, dim if spec.rowwise else None), dtype, spec.power_of_two)
     quantized = quantize(tensor, scale, dtype)
     _record(state, role, tensor, quantized, scale, dtype)
     return quantized, scale
@@ -339,7 +168,7 @@ class Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w_t: torch.Tensor, spec: Fp8Spec, state: Optional[Fp8GemmState],
-                record: bool = True) -> torch.Tensor:
+                record: bool = True, recompute: bool = False) -> torch.Tensor:
         ctx.save_for_backward(x, w_t)
         ctx.spec, ctx.state = spec, state
         group = getattr(state, "group", None)  # None: a state saved before groups existed
@@ -351,8 +180,14 @@ class Fp8Matmul(torch.autograd.Function):
             return x.new_zeros(*x.shape[:-1], w_t.shape[1], dtype=spec.out_dtype)
         ctx.empty = False
         x2 = x.reshape(-1, x.shape[-1])
-        x8, x_scale = _quantize_as(x2, 0, E4M3, spec, state, dim=-1)
-        w8, w_scale = _quantize_as(w_t, 1, E4M3, spec, state, dim=0)
+        if recompute and spec.recipe == "delayed":
+            # Activation checkpointing recomputes this forward inside the backward: quantize with the scales the
+            # forward used (alone, the state's scale has moved on since) and record nothing a second time.
+            x8, x_scale = _quantize_as(x2, 0, E4M3, spec, None, scale=state.used_scale[0].clone())
+            w8, w_scale = _quantize_as(w_t, 1, E4M3, spec, None, scale=state.used_scale[1].clone())
+        else:
+            x8, x_scale = _quantize_as(x2, 0, E4M3, spec, state, dim=-1)
+            w8, w_scale = _quantize_as(w_t, 1, E4M3, spec, state, dim=0)
         if spec.recipe == "delayed":
             ctx.scales = (x_scale, w_scale)
             if record:  # a training forward; evaluation (no_grad) uses the trained scales and changes nothing
@@ -378,6 +213,8 @@ class Fp8Matmul(torch.autograd.Function):
                 "keep in the module's buffers; torch.compile of amp_fx.convert(model, fp8='delayed') runs its "
                 "delayed GEMMs eagerly (docs/fp8.md), but this backward was traced: run it eagerly, or use "
                 "fp8='tensorwise' / 'rowwise', which compile whole")
+        if spec.recipe == "rowwise_with_gw_hp":
+            return _gw_hp_backward(x, w_t, grad_out, g2, x2, spec, state)
         x_scale, w_scale = ctx.scales if delayed else (None, None)
         # grad_input = grad_out @ w: rows of grad_out, rows of w_t (its columns once transposed)
         g8, g_scale = _quantize_as(g2, 2, spec.grad_dtype, spec, state, dim=-1)
@@ -395,7 +232,26 @@ class Fp8Matmul(torch.autograd.Function):
             group = getattr(state, "group", None)
             if group is not None and group.pending:
                 group.stepped = True  # the next forward starts a new step: it syncs this one
-        return grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1]), grad_w.t(), None, None, None
+        return grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1]), grad_w.t(), None, None, None, None
+
+
+def _gw_hp_backward(x: torch.Tensor, w_t: torch.Tensor, grad_out: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor,
+                    spec: Fp8Spec, state: Optional[Fp8GemmState]) -> tuple:
+    """torchao's ``rowwise_with_gw_hp`` backward: grad_input in fp8, grad_weight in high precision.
+
+    grad_input = q_row(grad_out) @ q_tensor(w): grad_output e4m3 with a power-of-two scale per row, the weight
+    e4m3 with one power-of-two scale, repeated along K so the rowwise kernel runs (torchao's ``preprocess_addmm``;
+    the emulated division reads the same value either way).  grad_weight = grad_out.t() @ x of the unquantized
+    operands, a plain ``mm`` in the weight gradient's dtype (bf16 on a bf16 model, as torchao's).
+    """
+    g8, g_scale = _quantize_as(g2, 2, E4M3, spec, state, dim=-1)
+    w_scale = amax_to_scale(amax_of(w_t), E4M3, power_of_two=True)
+    w8 = quantize(w_t, w_scale, E4M3).t()  # N x K
+    grad_x = scaled_mm(g8, g_scale, w8, w_scale.repeat(w8.shape[1]).reshape(1, -1), _grad_dtype(x, grad_out),
+                       fast_accum=False, emulate=spec.emulate)
+    dtype = _grad_dtype(w_t, grad_out)  # an fp32 weight at O1: its gradient in fp32, from the bf16 grad_output
+    grad_w = torch.mm(g2.t().to(dtype), x2.to(dtype))
+    return grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1]), grad_w.t(), None, None, None, None
 
 
 def _empty_backward(x: torch.Tensor, w_t: torch.Tensor, grad_out: torch.Tensor, spec: Fp8Spec,
@@ -406,7 +262,7 @@ def _empty_backward(x: torch.Tensor, w_t: torch.Tensor, grad_out: torch.Tensor, 
         group.stepped = True  # the other ranks' GEMMs saw rows: this rank must join the next forward's sync too
     grad_x = torch.zeros_like(x, dtype=_grad_dtype(x, grad_out))
     grad_w = torch.zeros_like(w_t, dtype=_grad_dtype(w_t, grad_out))
-    return grad_x, grad_w, None, None, None
+    return grad_x, grad_w, None, None, None, None
 
 
 def _grad_dtype(operand: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
@@ -430,7 +286,10 @@ def _delayed_gemm(x: torch.Tensor, w_t: torch.Tensor, spec: Fp8Spec, state: Opti
     """
     # Under no_grad (evaluation) a delayed GEMM records no amax and starts no sync: an evaluation must not move
     # the scales training uses next, nor join a collective the other ranks may not make.
-    return Fp8Matmul.apply(x, w_t, spec, state, torch.is_grad_enabled())
+    # A forward run while autograd runs a backward is activation checkpointing's recomputation: its amaxes were
+    # recorded by the forward it repeats.
+    recompute = torch._C._current_graph_task_id() != -1
+    return Fp8Matmul.apply(x, w_t, spec, state, torch.is_grad_enabled() and not recompute, recompute)
 
 
 def _gemm(x: torch.Tensor, w_t: torch.Tensor, spec: Fp8Spec, state: Optional[Fp8GemmState]) -> torch.Tensor:

@@ -27,12 +27,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
-from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError
+from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError, AmpWarning
+from amp_fx.ir.fp8_cost import DEVICES, DeviceProfile, device_profile
 
 __all__ = ["Fp8Config", "parse_fp8", "fp8_for_level", "can_fp8", "should_fp8", "RECIPES", "AMAX_COMPUTE", "SIZE_RULES",
-           "ALIGNMENT", "FP8_OPS"]
+           "ALIGNMENT", "FP8_OPS", "AUTO", "AUTO_CHOICES", "Fp8NothingConvertedWarning"]
 
-RECIPES = ("tensorwise", "rowwise", "delayed")
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+AUTO = "auto"  # per GEMM: bf16 or one of AUTO_CHOICES, from the cost model and a calibration (amp_fx/ir/fp8_choice.py)
+AUTO_CHOICES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 AMAX_COMPUTE = ("max", "most_recent")
 ALIGNMENT = 16  # K and N of an fp8 GEMM: torch._scaled_mm's requirement
 FP8_OPS = ("linear", "matmul", "mm", "addmm")  # addmm: bias + x @ W, as Hugging Face's Conv1D computes
@@ -53,6 +56,8 @@ SIZE_RULES = {
     "tensorwise": ("K > 4096 or N > 1024", _tensorwise_worth_it),
     "rowwise": ("N > 2048 and K > 1024 and (N > 4096 or K > 2048)", _rowwise_worth_it),
     "delayed": ("K > 4096 or N > 1024", _tensorwise_worth_it),
+    # torchao's auto-filter refuses this recipe; its forward and grad_input GEMMs are rowwise's, so rowwise's rule.
+    "rowwise_with_gw_hp": ("N > 2048 and K > 1024 and (N > 4096 or K > 2048)", _rowwise_worth_it),
 }
 
 
@@ -61,12 +66,21 @@ class Fp8Config:
     """How eligible GEMMs run in fp8.
 
     recipe: ``"tensorwise"`` (torchao's default: one scale per tensor, recomputed every call),
-        ``"rowwise"`` (a power-of-two scale per row; grad_output e4m3), ``"delayed"``
+        ``"rowwise"`` (a power-of-two scale per row; grad_output e4m3), ``"rowwise_with_gw_hp"`` (rowwise
+        forward and grad_input with a tensorwise weight, the weight-gradient GEMM in high precision), ``"delayed"``
         (Transformer Engine's: scales from an amax history kept in the module's buffers).
     emulate: run each fp8 GEMM as an fp32 ``mm`` of the dequantized operands (torchao's ``emulate``).
     size_rule: ``"auto"`` (skip GEMMs too small to gain, :data:`SIZE_RULES`) or ``"all"``.
     history_len, amax_compute, margin: delayed scaling's amax history length, ``"max"`` or
         ``"most_recent"`` of it, and ``scale = fp8_max / amax / 2**margin``.
+
+    ``recipe="auto"`` chooses per GEMM among ``choices`` or bf16 (docs/fp8.md) and needs ``example_inputs``:
+    device: the profile its roofline model predicts for (``"h100"``, ``"h200"``, ``"b200"`` or a
+        :class:`~amp_fx.ir.fp8_cost.DeviceProfile`); tokens: the M to predict for (default: the example inputs' rows);
+    error_budget: the largest measured operand error a recipe may have; min_gain: the smallest predicted
+        ``1 - t_fp8 / t_bf16`` worth converting for;
+    keep_first, keep_last, keep_routers: keep bf16 the first GEMM(s), the GEMM(s) feeding the output/loss, and
+        MoE routers / gates (:func:`amp_fx.ir.fp8_choice.is_router`).  ``size_rule`` does not apply to it.
     """
 
     recipe: str = "tensorwise"
@@ -75,10 +89,19 @@ class Fp8Config:
     history_len: int = 16
     amax_compute: str = "max"
     margin: int = 0
+    device: Union[str, DeviceProfile] = "h100"
+    tokens: Optional[int] = None
+    error_budget: float = 0.05
+    min_gain: float = 0.05
+    keep_first: bool = True
+    keep_last: bool = True
+    keep_routers: bool = True
+    choices: tuple = AUTO_CHOICES
 
     def __post_init__(self) -> None:
-        if self.recipe not in RECIPES:
-            raise AmpValueError(f"fp8 recipe {self.recipe!r} is unknown; use one of {RECIPES}")
+        if self.recipe not in RECIPES and self.recipe != AUTO:
+            raise AmpValueError(f"fp8 recipe {self.recipe!r} is unknown; use one of {RECIPES} or {AUTO!r}")
+        self._check_auto()
         if self.size_rule not in ("auto", "all"):
             raise AmpValueError(f"fp8 size_rule must be 'auto' (skip GEMMs too small to gain) or 'all', "
                                 f"got {self.size_rule!r}")
@@ -91,12 +114,43 @@ class Fp8Config:
         if not isinstance(self.emulate, bool):
             raise AmpTypeError(f"fp8 emulate must be True or False, got {self.emulate!r}")
 
+    def _check_auto(self) -> None:
+        if device_profile(self.device) is None:
+            raise AmpValueError(f"fp8 device {self.device!r} has no profile; use one of {sorted(DEVICES)} or an "
+                                f"{PACKAGE}.ir.fp8_cost.DeviceProfile(name, bf16_flops, fp8_flops, bandwidth)")
+        if self.tokens is not None and (not isinstance(self.tokens, int) or self.tokens < 1):
+            raise AmpValueError(f"fp8 tokens (the M to predict for) must be a positive int or None, got {self.tokens!r}")
+        if not isinstance(self.error_budget, (int, float)) or self.error_budget < 0:
+            raise AmpValueError(f"fp8 error_budget must be a non-negative fraction (0.05: 5%), got {self.error_budget!r}")
+        if not isinstance(self.min_gain, (int, float)) or self.min_gain >= 1:
+            raise AmpValueError(f"fp8 min_gain must be a fraction below 1 (0.05: 5% of the GEMM time), got {self.min_gain!r}")
+        choices = tuple(self.choices) if isinstance(self.choices, (tuple, list)) else ()
+        if not choices or any(c not in AUTO_CHOICES for c in choices):
+            raise AmpValueError(f"fp8 choices must be a non-empty subset of {AUTO_CHOICES}, got {self.choices!r}")
+        object.__setattr__(self, "choices", choices)
+        for name in ("keep_first", "keep_last", "keep_routers"):
+            if not isinstance(getattr(self, name), bool):
+                raise AmpTypeError(f"fp8 {name} must be True or False, got {getattr(self, name)!r}")
+
+    @property
+    def auto(self) -> bool:
+        return self.recipe == AUTO
+
+    @property
+    def profile(self) -> DeviceProfile:
+        return device_profile(self.device)
+
     def describe(self) -> str:
         """The recipe as the report names it."""
+        if self.auto:
+            return (f"auto (per GEMM on {self.profile.name}: error_budget {self.error_budget:.1%}, "
+                    f"min_gain {self.min_gain:.0%})")
         if self.recipe == "tensorwise":
             return "tensorwise (e4m3 input/weight, e5m2 grad_output, scales every call)"
         if self.recipe == "rowwise":
             return "rowwise (e4m3, power-of-two scale per row)"
+        if self.recipe == "rowwise_with_gw_hp":
+            return "rowwise_with_gw_hp (e4m3 rowwise forward and grad_input, weight gradient in high precision)"
         return (f"delayed (e4m3 input/weight, e5m2 grad_output, amax history {self.history_len}, "
                 f"{self.amax_compute}, margin {self.margin})")
 
@@ -150,6 +204,10 @@ def can_fp8(op: Optional[str], *, decision: Optional[str], K: Any, N: Any, act_d
     if act_dims is not None and act_dims < 2:
         return False, "1-D activation"
     return True, ""
+
+
+class Fp8NothingConvertedWarning(AmpWarning):
+    """fp8 was asked for and no GEMM was converted; the message names the rule that kept them and the option that changes it."""
 
 
 def should_fp8(K: int, N: int, config: Fp8Config) -> tuple[bool, str]:

@@ -73,7 +73,8 @@ def test_illegal_gemm_a_policy_forces_is_reported_and_its_row_claims_no_fp8(exam
     """Linear(64, 40) under policy 'fp8': a report line saying why not, a row saying bf16, summary '0 of 2'."""
     model = nn.Sequential(nn.Linear(64, 40), nn.ReLU(), nn.Linear(40, 64))
     inputs = (torch.randn(8, 64),) if example else None
-    gm = amp_fx.convert(model, "O1", policy={"module:0": "fp8"}, example_inputs=inputs)
+    with pytest.warns(amp_fx.Fp8NothingConvertedWarning, match="1 by legality"):
+        gm = amp_fx.convert(model, "O1", policy={"module:0": "fp8"}, example_inputs=inputs)
     report = gm.amp_report
     assert report.count("fp8") == 0
     lines = report.passes["fp8_gemms"]["report_lines"]
@@ -87,7 +88,8 @@ def test_illegal_gemm_a_policy_forces_is_reported_and_its_row_claims_no_fp8(exam
 
 
 def test_fp8_asked_and_nothing_legal_says_zero():
-    gm = amp_fx.convert(nn.Linear(64, 40), "O1", fp8=True)
+    with pytest.warns(amp_fx.Fp8NothingConvertedWarning, match="not a multiple of 16"):
+        gm = amp_fx.convert(nn.Linear(64, 40), "O1", fp8=True)
     summary = amp_fx.summary(gm)
     assert summary.fp8_gemms == 0 and summary.fp8_candidates == 1 and "fp8 GEMMs: 0 of 1" in str(summary)
 
