@@ -87,6 +87,7 @@ def test_every_alias_torch_runs_as_a_listed_op_is_listed():
     for alias, target in ALIASES.items():
         assert hasattr(torch.ops.aten, alias) and hasattr(torch.ops.aten, target), (alias, target)
         assert tables.table_of(alias) == "unknown", f"{alias} has its own table entry: not an alias to list"
+        assert tables.table_of(target) != "unknown", f"{alias}'s target {target} is in no table: leave it unlisted"
 
 
 def _x():
