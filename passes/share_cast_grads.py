@@ -68,7 +68,7 @@ def _read_for(cast: fx.Node, user: fx.Node) -> fx.Node:
     meta.REASON.set(read, f"inserted: {user.name}'s read of {cast.name}; its gradient is summed in "
                           f"{str(meta.float_dtype(source) or 'the source dtype').replace('torch.', '')} at {source.name}")
     meta.INSERTED.set(read, True)
-    if meta.CHECKPOINT.get(user) is not None:  # it belongs to its reader's checkpointed region
+    if meta.CHECKPOINT.get(user) is not None:  # it belongs to its reader's (and the cast's) checkpointed region
         meta.CHECKPOINT.set(read, meta.CHECKPOINT.get(user))
     return read
 
@@ -82,7 +82,11 @@ def share_cast_grads(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for cast in list(graph.nodes):
         if not is_inserted_cast(cast) or not _shared(cast, mutated):
             continue
-        readers = [user for user in cast.users if not _is_read(user) and user.op != "output"]
+        # A reader in another checkpointed region than the cast would make that region keep the fp32 source
+        # for its recompute, not only the low cast: it shares the cast as before.
+        region = meta.CHECKPOINT.get(cast)
+        readers = [user for user in cast.users
+                   if not _is_read(user) and user.op != "output" and meta.CHECKPOINT.get(user) == region]
         if not readers:
             continue  # a second run: every reader has its read
         casts += 1
