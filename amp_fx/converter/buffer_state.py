@@ -48,6 +48,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
+from amp_fx.frontend.legacy_weight_norm import refuse_legacy_weight_norm
 from amp_fx.frontend.train_flags import FROZEN_ATTR
 
 __all__ = ["copy_sharing_buffers", "attach_buffer_sources", "write_back_buffers", "source_value", "load_buffer_sources",
@@ -60,6 +61,7 @@ _EXPORTED = "traced with torch.export"  # FROZEN_ATTR's word for a graph whose t
 
 def copy_sharing_buffers(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` whose buffers are the model's own tensors (its modules and parameters are new)."""
+    refuse_legacy_weight_norm(model)  # its weight is a hook-computed tensor: a copy cannot keep its meaning
     memo: dict[int, Any] = {id(buffer): buffer for buffer in model.buffers()}
     return copy.deepcopy(model, memo)
 

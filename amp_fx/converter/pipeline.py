@@ -31,6 +31,7 @@ from amp_fx.passes.pad_gemm import pad_gemm
 from amp_fx.passes.paint_fp8 import paint_fp8
 from amp_fx.passes.propagate_meta import propagate_meta
 from amp_fx.passes.retarget_dtype_constants import retarget_dtype_constants
+from amp_fx.passes.share_cast_grads import share_cast_grads
 
 __all__ = ["build_pipeline", "rewrite_graph", "AFTER_REPORT"]
 
@@ -67,6 +68,7 @@ def build_pipeline(config: AmpConfig, *, own_params: bool) -> list[AmpPass]:
     if config.pad_gemm is not False:
         # "auto" pads on CUDA only; the pass reads the device from the context and says so in the report.
         pipeline.append(pad_gemm)
+    pipeline.append(share_cast_grads)  # after the GEMM passes, which look through an operand's cast
     if config.cache_casts:
         # Last: every other pass sees plain casts; inference then reuses each weight's cast.
         pipeline.append(cache_weight_casts)

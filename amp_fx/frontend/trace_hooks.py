@@ -17,6 +17,7 @@ from typing import Iterator
 import torch.fx as fx
 
 from amp_fx.frontend.checkpoint_regions import record_checkpoints
+from amp_fx.frontend.dtype_reads import record_dtype_reads
 from amp_fx.frontend.opaque_calls import record_function_calls
 from amp_fx.frontend.trace_guards import NOTES_KEY, refuse_state_changes, watch_context_managers
 
@@ -31,6 +32,7 @@ def front_end_hooks(tracer: fx.Tracer) -> Iterator[None]:
         stack.enter_context(record_checkpoints(tracer))
         stack.enter_context(refuse_state_changes(tracer))
         stack.enter_context(watch_context_managers(tracer))
+        stack.enter_context(record_dtype_reads(tracer))
         yield
 
 

@@ -15,7 +15,7 @@ import torch
 from torch.fx import Proxy
 from torch.fx.graph import _register_custom_builtin
 
-__all__ = ["amp_cast", "amp_promote", "call_with_params", "HELPERS"]
+__all__ = ["amp_cast", "amp_promote", "call_with_params", "shared_cast_read", "HELPERS"]
 
 
 def amp_cast(value: Any, dtype: torch.dtype) -> Any:
@@ -58,6 +58,49 @@ def amp_promote(*values: Any) -> tuple:
 amp_promote._amp_fx_cast = True
 
 
+class _SharedCastRead(torch.autograd.Function):
+    """A view of a shared cast whose gradient goes to the cast's source, upcast there, not summed in the cast's dtype."""
+
+    generate_vmap_rule = True  # torch.func.vmap over a converted model
+
+    @staticmethod
+    def forward(cast: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        return cast.view_as(cast)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.source_dtype, ctx.cast_dtype = inputs[1].dtype, inputs[0].dtype
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        # What autocast's per-reader cast does in backward: this reader's low gradient, upcast alone.
+        return None, grad.to(ctx.source_dtype)
+
+    @staticmethod
+    def jvp(ctx: Any, cast_tangent: Any, source_tangent: Any) -> Any:
+        return source_tangent.to(ctx.cast_dtype)
+
+
+def shared_cast_read(cast: Any, source: Any) -> Any:
+    """One reader's read of ``cast`` (``source`` cast once, read by several ops): ``cast`` itself in forward.
+
+    In backward this reader's gradient goes to ``source`` in ``source``'s
+    dtype, so the readers' gradients are summed there, in fp32, as under
+    autocast (which casts once per reader), instead of in the low dtype at the
+    one shared cast.  The forward casts nothing: ``cast`` is a view here.
+    Without a gradient to route (no grad mode, ``source`` needs none, the
+    guarded cast returned ``source`` itself) it returns ``cast`` as is.
+    """
+    if isinstance(cast, Proxy) or isinstance(source, Proxy):
+        return _record(shared_cast_read, (cast, source), {})
+    routed = (isinstance(cast, torch.Tensor) and isinstance(source, torch.Tensor) and torch.is_grad_enabled()
+              and source.requires_grad and source.is_floating_point() and cast is not source and cast.dtype != source.dtype)
+    return _SharedCastRead.apply(cast.detach(), source) if routed else cast
+
+
+shared_cast_read._amp_fx_op = "alias"  # op_keys reads this: a view of its first argument, no arithmetic
+
+
 def call_with_params(module: torch.nn.Module, params: dict, *args: Any, **kwargs: Any) -> Any:
     """Run ``module`` with some parameters replaced (their low-precision casts) for this call only."""
     if any(isinstance(a, Proxy) for a in (*args, *kwargs.values(), *params.values())):
@@ -78,7 +121,7 @@ def _record(fn: Any, args: tuple, kwargs: dict) -> Proxy:
     return proxy.tracer.create_proxy("call_function", fn, args, kwargs)
 
 
-HELPERS = (amp_cast, amp_promote, call_with_params)
+HELPERS = (amp_cast, amp_promote, call_with_params, shared_cast_read)
 
 # Generated code names the helpers as builtins with an import line, so that
 # GraphModule.to_folder writes a module that imports them.

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from amp_fx.ir import meta, op_properties
 from amp_fx.graph_ops.casts import amp_cast, amp_promote
+from amp_fx.graph_ops.dtype_info import finfo_of
 from amp_fx.ir.meta import ValueInfo, may_be_float_tensor
 
 __all__ = ["rule_value", "widest", "explicit_dtype", "opened_by_hooks"]
@@ -142,6 +143,12 @@ def opened_by_hooks(node: fx.Node, info: ValueInfo, target: Optional[torch.dtype
     return ValueInfo(info.is_tensor, None, None, None, info.shape, info.container, reason, info.fake, info.has_value), reason
 
 
+def _reads_finfo(node: fx.Node) -> bool:
+    """``node`` is ``finfo.min`` (or another member) of a :func:`finfo_of` node."""
+    owner = node.args[0] if node.target is getattr and node.args else None
+    return isinstance(owner, fx.Node) and owner.op == "call_function" and owner.target is finfo_of
+
+
 def rule_value(node: fx.Node, decision: str, inputs: Mapping[fx.Node, ValueInfo], target: Optional[torch.dtype],
                 gm: fx.GraphModule) -> ValueInfo:
     """Dtype-only mode: the op's result rule (see the module docstring, step 4)."""
@@ -153,6 +160,8 @@ def rule_value(node: fx.Node, decision: str, inputs: Mapping[fx.Node, ValueInfo]
     if props.hook == "value" and node.args and isinstance(node.args[0], fx.Node) and node.args[0] in inputs:
         passed = inputs[node.args[0]]
         return ValueInfo(passed.is_tensor, passed.is_float, passed.float_dtype, passed.dtype, passed.shape, passed.container)
+    if node.op == "call_function" and (node.target is finfo_of or _reads_finfo(node)):
+        return ValueInfo.non_tensor()  # torch.finfo(h.dtype) and its .min: Python numbers read at run time
     if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
         return _attribute_value(node.args[1], inputs.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None)
     if method.non_float_cast:

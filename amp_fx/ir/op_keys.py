@@ -19,6 +19,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch._library.custom_ops import CustomOpDef
 
+from amp_fx.ir.op_aliases import target_of  # torch's alias ops are their targets (special_expm1 is expm1)
 from amp_fx.ir.op_properties import CAST_OPS  # ops that are themselves casts (re-exported; defined with every op property)
 
 __all__ = ["canonical_op", "is_inplace", "CAST_OPS", "module_op_name", "op_name_of", "callable_op_name",
@@ -227,10 +228,10 @@ def _function_name(target: Callable, args: tuple) -> tuple[str, bool]:
         if raw in _ATEN_ALIASES:
             return _ATEN_ALIASES[raw], raw.endswith("_") and not raw.startswith("_")
         name, inplace = _strip_inplace(raw)
-        return _ATEN_ALIASES.get(name, name), inplace
+        return target_of(_ATEN_ALIASES.get(name, name)), inplace
     raw = getattr(target, "__name__", None) or type(target).__name__
     name, inplace = _strip_inplace(raw)
-    return _PY_ALIASES.get(name, name), inplace
+    return target_of(_PY_ALIASES.get(name, name)), inplace
 
 
 def _qualified_name(target: Any) -> str:
@@ -311,7 +312,7 @@ def op_name_of(spelling: str) -> str:
         last = last[2:-2]
         last = last[1:] + "_" if last.startswith("i") and last[1:] in _DUNDER_INPLACE else last
     name, _ = _strip_inplace(last)
-    return _ATEN_ALIASES.get(name, _PY_ALIASES.get(name, name))
+    return target_of(_ATEN_ALIASES.get(name, _PY_ALIASES.get(name, name)))
 
 
 _SPELLING_ROOTS = {"torch": torch, "F": torch.nn.functional}
@@ -356,10 +357,12 @@ def _resolve(node: fx.Node, root: Optional[nn.Module]) -> tuple[Optional[str], b
         # Dynamo wraps the casts it sees; amp_fx's own cast helper is a cast.
         if getattr(node.target, "_amp_fx_cast", False):
             return "amp_cast", False
+        if getattr(node.target, "_amp_fx_op", None):  # amp_fx's other helpers say which op they are
+            return node.target._amp_fx_op, False
         return name, inplace or node.kwargs.get("inplace", False) is True
     if node.op == "call_method":
         name, inplace = _strip_inplace(str(node.target))
-        return _PY_ALIASES.get(name, name), inplace
+        return target_of(_PY_ALIASES.get(name, name)), inplace
     if node.op == "call_module" and root is not None:
         module = root.get_submodule(str(node.target))
         return module_op_name(module), bool(getattr(module, "inplace", False))

@@ -48,6 +48,10 @@ class Attention(nn.Module):
         self.q, self.k, self.v = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:  # keep: (batch, n) bool, True = attend
+        if self.ask == "tensor" and x.dim() != 3:
+            # fx cannot branch on x.dim(): the scores-dtype model stays on the export route, whose ATen
+            # spellings these tests are about (finfo(scores.dtype) itself traces symbolically since issue 36).
+            raise ValueError("x is (batch, n, width)")
         scores = self.q(x) @ self.k(x).transpose(-1, -2)
         dtype = scores.dtype if self.ask == "tensor" else next(self.parameters()).dtype
         lowest = torch.finfo(dtype).min
@@ -124,10 +128,10 @@ def _expected(idiom: str, level: str) -> int:
 
 
 ROUTES = ("symbolic", "export")
-# x feeds three linears.  amp_fx casts it once (one cast per value), so autograd sums their three low input
-# gradients in the low dtype before the cast's backward widens the sum; autocast casts x per linear and sums
-# in fp32.  Two low additions, each within half an ulp of a partial sum: 2 ulps of the largest gradient
-# (measured: under 1).
+# x feeds three linears.  amp_fx casts it once (one cast per value); at O1 share_cast_grads sends each linear's
+# low input gradient to x, summed in fp32 as autocast's (which casts x per linear), but O2/O3's entry cast is
+# shared by all three, so autograd sums their gradients in the low dtype there.  Two low additions, each within
+# half an ulp of a partial sum: 2 ulps of the largest gradient (measured: under 1).
 _GRAD_ULPS = 2
 # Each idiom on each route (their spellings differ: torch-level calls against ATen overloads); the levels and
 # dtypes in full on the symbolic route, and on the export route O1 in both dtypes and O2 (O3 spells as O2 there).
@@ -264,6 +268,8 @@ class WidenedMask(nn.Module):
         self.fc = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:  # fx cannot branch on it: the export route, whose recorded constant this test is about
+            raise ValueError("x is (batch, width)")
         scores = self.fc(x)
         return scores.masked_fill(~keep, torch.finfo(scores.dtype).min).softmax(-1)
 
