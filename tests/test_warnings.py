@@ -178,3 +178,17 @@ def test_one_filter_raises_the_static_shape_warning_and_ignore_silences_all():
         gm = amp_fx.convert(_Loop(), "O1", dtype=torch.bfloat16, example_kwarg_inputs={"input_ids": ids})
     assert any("kept input_ids.shape[1] == 3 static" in note for note in gm.amp_report.notes)
     assert not [w for w in caught if "kept input_ids" in str(w.message)]
+
+
+def test_every_warning_class_is_public_as_amp_fx_name():
+    """Each category the package warns with is reachable as ``amp_fx.<ClassName>`` (docs/refusals.md lists them)."""
+    missing = []
+    for name, path in _source_files():
+        with open(path, encoding="utf-8") as handle:
+            calls = list(_warn_calls(ast.parse(handle.read(), path)))
+        module = importlib.import_module(name) if calls else None
+        for call in calls:
+            category = _resolve(module, _category(call)) if _category(call) is not None else None
+            if isinstance(category, type) and getattr(amp_fx, category.__name__, None) is not category:
+                missing.append(f"{path}:{call.lineno}: {category.__name__} (add it to amp_fx/__init__.py's _LAZY)")
+    assert not missing, "\n".join(missing)
