@@ -99,7 +99,8 @@ def test_refusals(tmp_path):
     with pytest.raises(amp_fx.AmpValueError, match="amp_level"):
         AmpFxTrainer(model=gpt2(), args=arguments(tmp_path), train_dataset=Tokens(8), amp_level="O5")
     with pytest.raises(amp_fx.AmpValueError, match="amp_level='O2'"):  # the backend keeps no amax history
-        AmpFxTrainer(model=gpt2(), args=arguments(tmp_path), train_dataset=Tokens(8), amp_options={"fp8": "delayed"})
+        AmpFxTrainer(model=gpt2(), args=arguments(tmp_path, torch_compile=True), train_dataset=Tokens(8),
+                     amp_options={"fp8": "delayed"})
     # Checkpointing's input-embedding hook cannot be kept by O2's export route: refused up front, naming the option.
     with pytest.raises(amp_fx.AmpValueError, match="gradient_checkpointing=True.*amp_level='O1'"):
         AmpFxTrainer(model=gpt2(), args=arguments(tmp_path, gradient_checkpointing=True), train_dataset=Tokens(8),
