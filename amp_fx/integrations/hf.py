@@ -19,6 +19,13 @@ parameters) and runs the forward through amp_fx:
   :class:`amp_fx.MasterWeightOptimizer`, gradients are copied into them before
   the Trainer clips, and ``save_pretrained`` writes them (fp32).
 
+fp16 (``amp_dtype=torch.float16``; the default on CUDA) trains with an
+:class:`amp_fx.LossScaler` as a GradScaler loop would: the loss is scaled
+before the Trainer's backward, the gradients unscaled before it clips and
+measures them, a step whose gradients overflowed is skipped (and so is that
+step's scheduler step), and the scale is updated; its state is saved with the
+Trainer's checkpoints (``amp_fx_scaler.pt``) and restored on resume.
+
 ``TrainingArguments(torch_compile_backend="amp_fx")`` (which Accelerate refuses
 as a DynamoBackend) is taken as ``amp_level="O1"`` compiled.  Transformers is imported
 here only, never by ``import amp_fx``.
@@ -27,6 +34,7 @@ here only, never by ``import amp_fx``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Optional, Union
 
 import torch
@@ -38,13 +46,15 @@ from amp_fx.converter.api import convert
 from amp_fx.dynamo.backend import backend
 from amp_fx.errors import PACKAGE, AmpRuntimeError, AmpValueError
 from amp_fx.ir.config import LEVELS
-from amp_fx.runtime import MasterWeightOptimizer
+from amp_fx.runtime import LossScaler, MasterWeightOptimizer
 
 __all__ = ["AmpFxTrainer"]
 
 _BACKEND_LEVELS = ("O0", "O1")  # the backend sees no parameters to own: O2/O3 convert the model
 # The Trainer's own steps this class hooks into (transformers 5): where it clips, measures and counts.
-_TRAINER_HOOKS = ("_clip_grad_norm", "_get_grad_norm", "_get_num_items_in_batch")
+_TRAINER_HOOKS = ("_clip_grad_norm", "_get_grad_norm", "_get_num_items_in_batch", "_save_optimizer_and_scheduler",
+                  "_load_optimizer_and_scheduler")
+_SCALER_FILE = "amp_fx_scaler.pt"  # the loss scaler's state, next to the Trainer's optimizer.pt
 
 
 class _ZeroLowGrads(transformers.TrainerCallback):
@@ -69,8 +79,9 @@ class AmpFxTrainer(transformers.Trainer):
 
     Args (besides the Trainer's):
         amp_level: ``"O0"``-``"O3"`` (default ``"O1"``).
-        amp_dtype: the low dtype; ``None``: bf16 on CPU, fp16 on CUDA. Only bf16 is supported with the
-            Trainer (its loop has no loss scaler of amp_fx's); fp16 is refused.
+        amp_dtype: the low dtype; ``None``: bf16 on CPU, fp16 on CUDA. fp16 trains with a loss scaler.
+        amp_scaler: the :class:`amp_fx.LossScaler` for fp16 (default ``LossScaler(dtype=torch.float16)``:
+            dynamic, from 2**16, as GradScaler).
         amp_options: options for :func:`amp_fx.convert` (e.g. ``{"policy": {...}}``), or for
             :func:`amp_fx.backend` when O0/O1 compile (``torch_compile=True``, e.g. ``{"inner": "aot_eager"}``).
 
@@ -78,7 +89,7 @@ class AmpFxTrainer(transformers.Trainer):
     """
 
     def __init__(self, *args: Any, amp_level: Optional[str] = None, amp_dtype: Union[None, str, torch.dtype] = None,
-                 amp_options: Optional[dict] = None, **kwargs: Any) -> None:
+                 amp_options: Optional[dict] = None, amp_scaler: Optional[LossScaler] = None, **kwargs: Any) -> None:
         missing = [name for name in _TRAINER_HOOKS if not hasattr(transformers.Trainer, name)]
         if missing:
             raise AmpRuntimeError(
@@ -125,12 +136,14 @@ class AmpFxTrainer(transformers.Trainer):
         device_type = next(self.model.parameters()).device.type
         dtype = amp_dtype if amp_dtype is not None else (torch.float16 if device_type == "cuda" else torch.bfloat16)
         if dtype in (torch.float16, "fp16", "float16", "half"):
-            raise AmpValueError(
-                "AmpFxTrainer trains in bf16 only: fp16 needs a loss scaler in the Trainer's backward and step, which "
-                "its loop does not expose. Use amp_dtype=torch.bfloat16, or train fp16 with "
-                f"{PACKAGE}.integrations.accelerate.prepare or the Lightning plugin.")
+            dtype = torch.float16
+        if amp_scaler is not None and not isinstance(amp_scaler, LossScaler):
+            raise AmpValueError(f"AmpFxTrainer(amp_scaler=...) takes an {PACKAGE}.LossScaler, got {type(amp_scaler).__name__}")
         self.amp_level = amp_level
         self.amp_dtype = dtype
+        # fp16: a loss scaler around the Trainer's backward and step (bf16 needs none unless one is given)
+        self.amp_scaler = amp_scaler if amp_scaler is not None else (
+            LossScaler(dtype=torch.float16, level=amp_level) if dtype == torch.float16 else None)
         self.amp_options = dict(amp_options or {})
         self.amp_model: Optional[nn.Module] = None  # what compute_loss calls in place of self.model
         if compiled:
@@ -191,10 +204,12 @@ class AmpFxTrainer(transformers.Trainer):
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
         self._sync_master_grads()
+        self._unscale()
         return super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         self._sync_master_grads()
+        self._unscale()
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def _sync_master_grads(self) -> None:
@@ -202,6 +217,70 @@ class AmpFxTrainer(transformers.Trainer):
         # are copied from the bf16 ones at the step; copy them now (once per step) so it reads this step's.
         if self._masters is not None:
             self._masters._sync_grads_to_masters()
+
+    # ------------------------------------------------------------ fp16: the loss scaler in the Trainer's loop
+    def _stepped(self) -> Any:
+        """The optimizer the scaler unscales and steps: the Trainer's (or MasterWeightOptimizer), inside Accelerate's."""
+        inner = getattr(self.optimizer, "optimizer", None)
+        if inner is None:
+            raise AmpRuntimeError("AmpFxTrainer with a loss scaler expects the Trainer's optimizer prepared by "
+                                  f"Accelerate (an AcceleratedOptimizer), got {type(self.optimizer).__name__}.")
+        return inner
+
+    def _unscale(self) -> None:
+        # Before the Trainer clips or measures the gradients: they must be the true ones (GradScaler's unscale_).
+        if self.amp_scaler is not None and not self.amp_scaler.is_unscaled(self._stepped()):
+            self.amp_scaler.unscale_(self._stepped())
+
+    def _scaled_step(self, closure: Any = None) -> bool:
+        """The Trainer's ``optimizer.step()`` under the scaler: skipped on overflow (with its scheduler step)."""
+        self._sync_master_grads()
+        self._unscale()
+        taken = self.amp_scaler.step(self._stepped())
+        self.amp_scaler.update()
+        if not taken and self.lr_scheduler is not None:  # as a GradScaler loop: no schedule step for a skipped one
+            scheduler = self.lr_scheduler
+            own = scheduler.__dict__.get("step")
+
+            def skipped(*args: Any, **kwargs: Any) -> None:
+                if own is None:
+                    del scheduler.step
+                else:
+                    scheduler.step = own
+
+            scheduler.step = skipped
+        return taken
+
+    def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
+        """The Trainer's step; with a loss scaler its backward gets the scaled loss (the logged loss is not)."""
+        if self.amp_scaler is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        optimizer = self.optimizer
+        if getattr(optimizer.__dict__.get("step"), "__func__", None) is not AmpFxTrainer._scaled_step:
+            self._stepped()  # (checks Accelerate wrapped it)
+            optimizer.step = self._scaled_step  # this prepared optimizer only; the Trainer calls it once per step
+        accelerator = self.accelerator
+        own = accelerator.__dict__.get("backward")
+        backward = accelerator.backward
+        accelerator.backward = lambda loss, **kw: backward(self.amp_scaler.scale(loss), **kw)
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            if own is None:
+                del accelerator.backward
+            else:
+                accelerator.backward = own
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.amp_scaler is not None and self.args.should_save:
+            torch.save(self.amp_scaler.state_dict(), os.path.join(output_dir, _SCALER_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, _SCALER_FILE) if checkpoint is not None else None
+        if self.amp_scaler is not None and path is not None and os.path.isfile(path):
+            self.amp_scaler.load_state_dict(torch.load(path, weights_only=True))
 
     # ------------------------------------------------------------ the forward
     def _runner(self, model: nn.Module) -> nn.Module:
