@@ -31,7 +31,7 @@ from torch import nn
 
 from amp_fx.converter.api import convert
 from amp_fx.apex.optimizers import OptimizerRecord, check_ownership, fit_optimizer
-from amp_fx.apex.properties import AmpProperties, build_scalers, resolve_properties
+from amp_fx.apex.properties import AmpProperties, build_scalers, reported_loss_scale, resolve_properties
 from amp_fx.errors import PACKAGE, AmpError, AmpIndexError, AmpRuntimeError, AmpTypeError, AmpValueError
 from amp_fx.converter.graph_module import AmpGraphModule
 from amp_fx.runtime import LossScaler
@@ -176,7 +176,9 @@ def initialize(
         **properties: Apex's ``cast_model_type``, ``keep_batchnorm_fp32``,
             ``master_weights``, ``loss_scale`` (a number or ``"dynamic"``),
             ``cast_model_outputs``, ``num_losses``, ``min_loss_scale``,
-            ``max_loss_scale``, ``verbosity``; ``dtype=`` (the low dtype); and any
+            ``max_loss_scale``, ``verbosity``; ``dtype=`` (the low dtype);
+            ``fp32_grad_accumulation=True`` (O2: micro-batch gradients summed in the
+            fp32 masters, :class:`~amp_fx.runtime.MasterWeightOptimizer`); and any
             other keyword of :func:`amp_fx.convert` (``policy=``, ...).
 
     Returns:
@@ -215,16 +217,17 @@ def initialize(
         convert(m, props.level, example_inputs=ex, example_kwarg_inputs=kx, **props.convert_kwargs)
         for m, ex, kx in zip(model_list, examples, kw_examples)
     ]
-    for gm in converted:  # the config reports what initialize really set up
-        gm.amp_config = dataclasses.replace(
-            gm.amp_config, master_weights=props.master_weights, loss_scale=props.loss_scale)
     dtype = torch.float32 if props.level == "O0" else converted[0].amp_config.low_dtype
+    for gm in converted:  # the config reports what initialize really set up (bf16: no loss scaling)
+        gm.amp_config = dataclasses.replace(
+            gm.amp_config, master_weights=props.master_weights, loss_scale=reported_loss_scale(props, dtype))
     session = _Session(props, build_scalers(props, dtype))
 
     fitted = []
     for optimizer in opt_list:
         result, record = fit_optimizer(
-            optimizer, owners, converted, cast_params=props.cast_params, master_weights=props.master_weights)
+            optimizer, owners, converted, cast_params=props.cast_params, master_weights=props.master_weights,
+            fp32_grad_accumulation=props.fp32_grad_accumulation)
         record.session = session
         setattr(result, _STASH, record)
         fitted.append(result)

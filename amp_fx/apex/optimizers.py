@@ -63,6 +63,7 @@ def fit_optimizer(
     *,
     cast_params: bool,
     master_weights: bool,
+    fp32_grad_accumulation: bool = False,
 ) -> tuple[Any, "OptimizerRecord"]:
     """Return (the optimizer the user should step, its record) for the level's parameter layout."""
     prefix = len(converted) > 1  # names must stay unique across models
@@ -89,7 +90,7 @@ def fit_optimizer(
             # The optimizer steps parameters of several models, or part of one: give the wrapper a
             # module holding exactly those (it refuses trainable parameters no group holds).
             module = _view_module({names[id(p)]: module_params[id(p)] for p in params}, module.amp_config)
-        wrapped = MasterWeightOptimizer(optimizer, module, masters=masters)
+        wrapped = MasterWeightOptimizer(optimizer, module, masters=masters, fp32_grad_accumulation=fp32_grad_accumulation)
         wrapped._resolve = _resolver(owners, converted, prefix)
         return wrapped, OptimizerRecord(wrapped, masters=True)
     # No masters: the optimizer steps the low-precision tensors the module runs with.
@@ -210,6 +211,8 @@ class OptimizerRecord:
 
     def has_new_grads(self) -> bool:
         """Whether backward wrote any gradient for this optimizer since the stash."""
+        if self.masters and self.optimizer._fp32_accum:  # backward added into the masters and freed the low grads
+            return any(p.grad is not None for p in self.optimizer.master_parameters())
         return any(p.grad is not None for p in self.module_params)
 
     # ---------------------------------------------------------------- skip

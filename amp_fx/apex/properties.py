@@ -20,12 +20,15 @@ from amp_fx.ir.config import LEVELS, AmpConfig, make_config, parse_dtype
 from amp_fx.runtime import LossScaler
 from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError, did_you_mean
 
-__all__ = ["AmpProperties", "resolve_properties", "build_scalers", "APEX_PROPERTIES"]
+__all__ = ["AmpProperties", "resolve_properties", "build_scalers", "reported_loss_scale", "APEX_PROPERTIES",
+           "OPTIMIZER_PROPERTIES"]
 
 APEX_PROPERTIES = (
     "cast_model_type", "keep_batchnorm_fp32", "master_weights", "loss_scale", "cast_model_outputs",
     "num_losses", "min_loss_scale", "max_loss_scale", "verbosity", "dtype",
 )
+# amp_fx's own options of the optimizer initialize fits (not Apex's): MasterWeightOptimizer's keywords.
+OPTIMIZER_PROPERTIES = ("fp32_grad_accumulation",)
 # Every other keyword convert() takes is passed through (policy=, leaf_modules=, ...).
 _CONVERT_KEYWORDS = tuple(
     name for name, p in inspect.signature(convert).parameters.items()
@@ -51,6 +54,7 @@ class AmpProperties:
     max_loss_scale: float = _DEFAULT_MAX_SCALE
     verbosity: int = 1
     cast_params: bool = False
+    fp32_grad_accumulation: bool = False
 
     def describe(self) -> str:
         """One line naming every property, as Apex printed at initialize."""
@@ -108,13 +112,13 @@ def _model_dtype(level: str, cast_model_type: Any, dtype: Any) -> Optional[torch
 
 def resolve_properties(opt_level: str, properties: dict[str, Any]) -> AmpProperties:
     """Check Apex properties (and convert() keywords) against ``opt_level`` and resolve them."""
-    unknown = sorted(set(properties) - set(APEX_PROPERTIES) - set(_CONVERT_KEYWORDS))
+    unknown = sorted(set(properties) - set(APEX_PROPERTIES) - set(OPTIMIZER_PROPERTIES) - set(_CONVERT_KEYWORDS))
     if unknown:
         raise AmpTypeError(
             f"unknown amp_fx.initialize propert{'y' if len(unknown) == 1 else 'ies'} {unknown}."
-            f"{did_you_mean(unknown, [*APEX_PROPERTIES, *_CONVERT_KEYWORDS], n=1)} "
-            f"Apex properties: {list(APEX_PROPERTIES)}; other keywords of amp_fx.convert: "
-            f"{[k for k in _CONVERT_KEYWORDS if k not in APEX_PROPERTIES]}."
+            f"{did_you_mean(unknown, [*APEX_PROPERTIES, *OPTIMIZER_PROPERTIES, *_CONVERT_KEYWORDS], n=1)} "
+            f"Apex properties: {list(APEX_PROPERTIES)}; optimizer options: {list(OPTIMIZER_PROPERTIES)}; other "
+            f"keywords of amp_fx.convert: {[k for k in _CONVERT_KEYWORDS if k not in APEX_PROPERTIES]}."
         )
     props = dict(properties)
     if not isinstance(opt_level, str) or opt_level.upper() not in LEVELS:
@@ -147,6 +151,7 @@ def resolve_properties(opt_level: str, properties: dict[str, Any]) -> AmpPropert
     if min_s is not None and min_s > max_s:
         raise AmpValueError(f"min_loss_scale={min_s} is above max_loss_scale={max_s}")
     verbosity = int(props.pop("verbosity", 1) or 0)
+    accumulate = _fp32_accumulation(level, bool(master) and preset.cast_params, props.pop("fp32_grad_accumulation", False))
     cast_outputs = props.pop("cast_model_outputs", None)
     convert_kwargs = dict(props, dtype=dtype, keep_batchnorm_fp32=keep_bn, cast_model_outputs=cast_outputs)
     make_config(level, **{k: v for k, v in convert_kwargs.items() if k in _CONFIG_FIELDS})  # validate early
@@ -154,7 +159,33 @@ def resolve_properties(opt_level: str, properties: dict[str, Any]) -> AmpPropert
         level=level, convert_kwargs=convert_kwargs, master_weights=bool(master) and preset.cast_params,
         loss_scale=loss_scale, loss_scale_explicit=explicit_scale, num_losses=num_losses,
         min_loss_scale=min_s, max_loss_scale=max_s, verbosity=verbosity, cast_params=preset.cast_params,
+        fp32_grad_accumulation=accumulate,
     )
+
+
+def _fp32_accumulation(level: str, masters: bool, value: Any) -> bool:
+    """Check ``fp32_grad_accumulation``: it sums micro-batch gradients in O2's fp32 masters, so only there."""
+    if not isinstance(value, bool):
+        raise AmpValueError(f"fp32_grad_accumulation must be True or False, got {value!r}")
+    if value and not masters:
+        why = ("parameters and their gradients are fp32 already at this level" if level in ("O0", "O1") else
+               "it adds each low-precision gradient into an fp32 master, and this setup has none")
+        raise AmpValueError(
+            f"fp32_grad_accumulation=True at opt_level={level}"
+            f"{' with master_weights=False' if level == 'O2' else ''}: {why}. Use opt_level='O2' with master "
+            "weights (the default) to accumulate gradients in fp32, or leave the option out.")
+    return value
+
+
+def reported_loss_scale(props: AmpProperties, dtype: torch.dtype) -> Union[float, str]:
+    """The loss scale the scalers of :func:`build_scalers` really use: 1.0 (off) where bf16 or fp32 needs none.
+
+    ``"dynamic"`` is the level's default; without an explicit ``loss_scale`` it only scales fp16, so the
+    config of a bf16 model must not say it scales.
+    """
+    if props.loss_scale == "dynamic" and not props.loss_scale_explicit and dtype != torch.float16:
+        return 1.0
+    return props.loss_scale
 
 
 def build_scalers(props: AmpProperties, dtype: torch.dtype) -> list[LossScaler]:

@@ -314,6 +314,21 @@ class AmpGraphModule(fx.GraphModule):
             if swapped:
                 restore_swapped(swapped)
 
+    # A converted Sequential/ModuleList is one graph: indexing would hand out a layer that no longer runs as
+    # itself (activations are inlined, no modules). Refuse it, naming the ways that work; and no iteration
+    # through __getitem__ either (``__iter__ = None``: iter(gm) stays a plain TypeError, bool(gm) stays True).
+    __iter__ = None
+
+    def __getitem__(self, key: Any) -> Any:
+        name = type(self).__name__
+        raise AmpTypeError(
+            f"{PACKAGE}: a converted {name} is one graph, not a container of layers: its layers run inlined in the "
+            f"graph (activations and other parameterless layers are no module in it), so gm[{key!r}] has no layer "
+            f"that runs converted. Index the original model instead (model[{key!r}]; at O0/O1 it holds the same "
+            f"parameters as the converted module), convert that layer on its own ({PACKAGE}.convert(model[{key!r}], "
+            f"level)), or reach the converted module's parameters by name (gm.named_parameters(), "
+            f"gm.get_submodule({str(key)!r})).")
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)

@@ -41,6 +41,7 @@ from amp_fx.errors import PACKAGE, AmpWarning
 import torch
 import torch.nn as nn
 
+from amp_fx.dynamo import recompiles
 from amp_fx.dynamo.report import FIXES, DynamoBreak, publish
 
 __all__ = ["NothingConvertedWarning", "Watches", "ensure_watching", "set_resolver", "graph_converted",
@@ -70,6 +71,7 @@ class _Watch:
     open_resumes: int = 0  # graph breaks whose resume function Dynamo has not compiled yet
     pending: list[DynamoBreak] = dataclasses.field(default_factory=list)
     warned: bool = False
+    limit_hit: set = dataclasses.field(default_factory=set)  # frames Dynamo stopped recompiling (warned once each)
 
 
 class Watches:
@@ -129,6 +131,7 @@ def ensure_watching() -> None:
         callback_handler.register_start_callback(_on_start)
     if _on_end not in callback_handler.end_callbacks:
         callback_handler.register_end_callback(_on_end)
+    recompiles.install(_locate)  # the recompile limit is checked before the callbacks run: Dynamo's log line says it
 
 
 def graph_converted(compile_id: str, low: bool) -> None:
@@ -175,6 +178,17 @@ def _compile_frame() -> Optional[dict]:
             return frame.f_locals
         frame = frame.f_back
     return None
+
+
+def _locate() -> Optional[tuple[set, bool]]:
+    """For the frame Dynamo is compiling now, if its backend is an amp_fx one: (its model's frames at the limit, raises)."""
+    found = _compile_frame()
+    resolver = _RESOLVER[0]
+    resolved = resolver(found.get("compiler_fn")) if found is not None and resolver is not None else None
+    if resolved is None:
+        return None
+    key, backend = resolved
+    return backend.watches.get(key).limit_hit, bool(found.get("one_graph") or found.get("export"))
 
 
 def _start(compile_id: str) -> None:

@@ -43,8 +43,13 @@ from torch.export import Dim
 
 from amp_fx.frontend import export_shapes
 from amp_fx.frontend.export_functions import keeping_function_calls
+from amp_fx.errors import AmpWarning
 
-__all__ = ["split_constants", "default_dynamic_shapes", "export_module", "shape_notes"]
+__all__ = ["split_constants", "default_dynamic_shapes", "export_module", "shape_notes", "StaticShapeWarning"]
+
+
+class StaticShapeWarning(AmpWarning):
+    """torch.export kept static a dimension amp_fx asked to keep dynamic: the converted module takes only that size."""
 
 
 def _forward_parameters(model: nn.Module) -> tuple[set[str], bool]:
@@ -222,7 +227,7 @@ def _warn_specialised(exported: Any, shapes: Mapping[str, Any], fixed_at: Option
         "A size of 1 is always specialised (give an example with batch and sequence length of 2 or more); "
         "otherwise the model fixes the size, or pass dynamic_shapes= to say what should vary."
     )
-    warnings.warn(message, stacklevel=4)
+    warnings.warn(message, StaticShapeWarning, stacklevel=4)
     return [message]
 
 

@@ -29,7 +29,7 @@ import torch.nn as nn
 from amp_fx.frontend import module_hooks, regions, regions_export
 from amp_fx.graph_ops import hook_dispatch
 from amp_fx.graph_ops.casts import HELPERS
-from amp_fx.errors import AmpError, AmpTypeError, UnsupportedConstructError
+from amp_fx.errors import AmpError, AmpTypeError, AmpWarning, UnsupportedConstructError
 from amp_fx.frontend.export_guards import watched_export
 from amp_fx.frontend.source_lines import innermost_user_frame, is_library_file
 from amp_fx.frontend.traced_defaults import describe_defaults, traced_at_default
@@ -417,8 +417,8 @@ def trace_model(
             exported = watched_export(model, lambda: _export_trace(model, args, kwargs, module_class, dynamic_shapes))
             setattr(exported, FX_FAILED_IN_ATTR, failed_in)  # where a hook's refusal says a leaf helps (core/live_hooks.py)
             return exported, "torch.export"
-        except UnsupportedConstructError:
-            raise
+        except (UnsupportedConstructError, AmpWarning):
+            raise  # a refusal names its fix; a warning the user's filter made an error is theirs to see as it is
         except Exception as error:
             raise AmpTraceError(
                 f"amp_fx could not trace {type(model).__name__}.\n"

@@ -46,10 +46,14 @@ import torch.nn as nn
 from torch.utils.hooks import BackwardHook
 
 from amp_fx.graph_ops.master_sync import sync_parameters_of
-from amp_fx.errors import AmpRuntimeError, UnsupportedConstructError
+from amp_fx.errors import AmpRuntimeError, AmpWarning, UnsupportedConstructError
 
 __all__ = ["Frame", "enter", "leave", "unwind", "open_depth", "call_with_hooks", "user_hooks", "has_user_hooks",
-           "refuse_non_full_backward_hooks", "COMPUTATION_HOOKS", "HOOK_DICTS"]
+           "refuse_non_full_backward_hooks", "COMPUTATION_HOOKS", "HOOK_DICTS", "HookWarning"]
+
+
+class HookWarning(AmpWarning):
+    """A warning ``_call_impl`` gives about a module's hooks, given with torch's own text by the converted module."""
 
 # The dicts that hold a module's hooks (the *_with_kwargs / always_called dicts only flag their ids).
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -195,7 +199,7 @@ def leave(frame: Frame, result: Any) -> tuple[Any, bool]:
     if frame.bw_hook is not None:
         if not isinstance(result, (torch.Tensor, tuple)):
             warnings.warn("For backward hooks to be called, module output should be a Tensor or a tuple of Tensors"
-                          f" but received {type(result)}", stacklevel=3)
+                          f" but received {type(result)}", HookWarning, stacklevel=3)
         result = frame.bw_hook.setup_output_hook(result)
         changed = True
     _close(frame)
@@ -227,7 +231,7 @@ def unwind(depth: int) -> None:
                     frame.result = replaced
             except Exception as error:  # as _call_impl: the forward's error is the one raised
                 warnings.warn("module forward hook with ``always_call=True`` raised an exception that was silenced as "
-                              f"another error was raised in forward: {error}", stacklevel=2)
+                              f"another error was raised in forward: {error}", HookWarning, stacklevel=2)
 
 
 def call_with_hooks(modules: list[nn.Module], path: str, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:

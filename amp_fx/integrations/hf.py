@@ -5,25 +5,36 @@ given as ``trainer.model`` (the Trainer reads its signature, its loss kwargs,
 its ``save_pretrained`` with tied weights, and builds the optimizer over its
 parameters) and runs the forward through amp_fx:
 
-* O0/O1: ``torch.compile(model, backend=amp_fx.backend(level))``.  The compiled
-  forward calls the model's own, so ``train()``/``eval()`` on the model switch
-  dropout as usual, and every keyword the Trainer passes (``num_items_in_batch``:
+* by default, every level: ``amp_fx.convert(model, level, example_kwarg_inputs=<the
+  first training batch>)``, run eagerly (no compile: ``bf16=True``'s cost, not
+  inductor's).  At O0/O1 the converted module shares the model's parameters.
+* O0/O1 with ``TrainingArguments(torch_compile=True)``: ``torch.compile(model,
+  backend=amp_fx.backend(level))``, the Trainer's ``torch_compile_backend`` as the
+  inner compiler.  The compiled forward calls the model's own, so ``train()``/``eval()``
+  switch dropout as usual, and every keyword the Trainer passes (``num_items_in_batch``:
   the loss is normalised over the whole accumulated batch as with ``bf16=True``)
-  reaches the model.
-* O2/O3: ``amp_fx.convert(model, level, example_kwarg_inputs=<the first training
-  batch>)``.  At O2 the model's fp32 parameters are the masters: the Trainer's
+  reaches the model.  The Trainer itself does not compile a second time.
+* At O2 the model's fp32 parameters are the masters: the Trainer's
   own optimizer is built over them and wrapped in
   :class:`amp_fx.MasterWeightOptimizer`, gradients are copied into them before
   the Trainer clips, and ``save_pretrained`` writes them (fp32).
 
+fp16 (``amp_dtype=torch.float16``; the default on CUDA) trains with an
+:class:`amp_fx.LossScaler` as a GradScaler loop would: the loss is scaled
+before the Trainer's backward, the gradients unscaled before it clips and
+measures them, a step whose gradients overflowed is skipped (and so is that
+step's scheduler step), and the scale is updated; its state is saved with the
+Trainer's checkpoints (``amp_fx_scaler.pt``) and restored on resume.
+
 ``TrainingArguments(torch_compile_backend="amp_fx")`` (which Accelerate refuses
-as a DynamoBackend) is taken as ``amp_level="O1"``.  Transformers is imported
+as a DynamoBackend) is taken as ``amp_level="O1"`` compiled.  Transformers is imported
 here only, never by ``import amp_fx``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Optional, Union
 
 import torch
@@ -35,13 +46,15 @@ from amp_fx.converter.api import convert
 from amp_fx.dynamo.backend import backend
 from amp_fx.errors import PACKAGE, AmpRuntimeError, AmpValueError
 from amp_fx.ir.config import LEVELS
-from amp_fx.runtime import MasterWeightOptimizer
+from amp_fx.runtime import LossScaler, MasterWeightOptimizer
 
 __all__ = ["AmpFxTrainer"]
 
 _BACKEND_LEVELS = ("O0", "O1")  # the backend sees no parameters to own: O2/O3 convert the model
 # The Trainer's own steps this class hooks into (transformers 5): where it clips, measures and counts.
-_TRAINER_HOOKS = ("_clip_grad_norm", "_get_grad_norm", "_get_num_items_in_batch")
+_TRAINER_HOOKS = ("_clip_grad_norm", "_get_grad_norm", "_get_num_items_in_batch", "_save_optimizer_and_scheduler",
+                  "_load_optimizer_and_scheduler")
+_SCALER_FILE = "amp_fx_scaler.pt"  # the loss scaler's state, next to the Trainer's optimizer.pt
 
 
 class _ZeroLowGrads(transformers.TrainerCallback):
@@ -66,16 +79,17 @@ class AmpFxTrainer(transformers.Trainer):
 
     Args (besides the Trainer's):
         amp_level: ``"O0"``-``"O3"`` (default ``"O1"``).
-        amp_dtype: the low dtype; ``None``: bf16 on CPU, fp16 on CUDA. Only bf16 is supported with the
-            Trainer (its loop has no loss scaler of amp_fx's); fp16 is refused.
-        amp_options: options for :func:`amp_fx.backend` (O0/O1, e.g. ``{"inner": "aot_eager"}``) or
-            :func:`amp_fx.convert` (O2/O3, e.g. ``{"policy": {...}}``).
+        amp_dtype: the low dtype; ``None``: bf16 on CPU, fp16 on CUDA. fp16 trains with a loss scaler.
+        amp_scaler: the :class:`amp_fx.LossScaler` for fp16 (default ``LossScaler(dtype=torch.float16)``:
+            dynamic, from 2**16, as GradScaler).
+        amp_options: options for :func:`amp_fx.convert` (e.g. ``{"policy": {...}}``), or for
+            :func:`amp_fx.backend` when O0/O1 compile (``torch_compile=True``, e.g. ``{"inner": "aot_eager"}``).
 
     ``TrainingArguments(bf16=True)`` or ``fp16=True`` is refused: autocast would run on top of amp_fx's casts.
     """
 
     def __init__(self, *args: Any, amp_level: Optional[str] = None, amp_dtype: Union[None, str, torch.dtype] = None,
-                 amp_options: Optional[dict] = None, **kwargs: Any) -> None:
+                 amp_options: Optional[dict] = None, amp_scaler: Optional[LossScaler] = None, **kwargs: Any) -> None:
         missing = [name for name in _TRAINER_HOOKS if not hasattr(transformers.Trainer, name)]
         if missing:
             raise AmpRuntimeError(
@@ -83,16 +97,20 @@ class AmpFxTrainer(transformers.Trainer):
                 f"measures their norm and counts a batch's labels); this is transformers {transformers.__version__}. "
                 "Upgrade transformers, or use torch.compile(model, backend='amp_fx') with the plain Trainer.")
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if training_args is not None and getattr(training_args, "torch_compile_backend", None) == "amp_fx":
-            # Accelerate's DynamoBackend enum has no "amp_fx": the Trainer must not hand it the name.
+        compile_name = getattr(training_args, "torch_compile_backend", None)
+        # torch_compile=True at O0/O1 compiles through amp_fx's backend; torch_compile_backend="amp_fx" means O1 so
+        # (the name sets torch_compile=True in TrainingArguments too)
+        compiled = bool(getattr(training_args, "torch_compile", False)) and (amp_level or "O1") in _BACKEND_LEVELS
+        if compile_name == "amp_fx" or compiled:
+            # The Trainer must not compile again around amp_fx's (and Accelerate's DynamoBackend has no "amp_fx").
             training_args = dataclasses.replace(training_args, torch_compile=False, torch_compile_backend=None)
             if "args" in kwargs:
                 kwargs["args"] = training_args
             else:
                 args = (args[0], training_args, *args[2:])
-            amp_level = amp_level or "O1"
         super().__init__(*args, **kwargs)
         amp_level = amp_level or "O1"
+        self.amp_compiled = compiled  # O0/O1 under torch.compile(backend=amp_fx.backend(...)); else converted, eager
         if amp_level not in LEVELS:
             raise AmpValueError(f"AmpFxTrainer: amp_level must be one of {list(LEVELS)}, got {amp_level!r}")
         if amp_level == "O3":
@@ -103,41 +121,46 @@ class AmpFxTrainer(transformers.Trainer):
             raise AmpValueError(
                 "AmpFxTrainer got TrainingArguments(bf16=True or fp16=True): the Trainer would run the converted "
                 "model under torch.autocast too. Leave bf16/fp16 False; amp_level= replaces them.")
-        if amp_level not in _BACKEND_LEVELS and self.args.gradient_checkpointing:
+        if not compiled and self.args.gradient_checkpointing:
             raise AmpValueError(
                 f"AmpFxTrainer(amp_level={amp_level!r}) with TrainingArguments(gradient_checkpointing=True): the "
                 "Trainer then makes transformers register a forward hook on the input embeddings "
-                "(enable_input_require_grads), which the torch.export route that converts the model at O2 cannot "
-                "keep. Use amp_level='O1' (torch.compile keeps checkpointing and the hook), or "
-                "gradient_checkpointing=False.")
+                "(enable_input_require_grads), which the torch.export route that converts the model cannot "
+                "keep. Use amp_level='O1' with TrainingArguments(torch_compile=True) (torch.compile keeps "
+                "checkpointing and the hook), or gradient_checkpointing=False.")
         if self.args.torch_compile:
             raise AmpValueError(
-                "AmpFxTrainer got TrainingArguments(torch_compile=True): the Trainer would compile the model a second "
-                "time around amp_fx's. Leave torch_compile False (amp_level O0/O1 already runs torch.compile).")
+                f"AmpFxTrainer(amp_level={amp_level!r}) got TrainingArguments(torch_compile=True): the Trainer would "
+                "compile the model around amp_fx's conversion, whose parameters are not the model's. Leave "
+                "torch_compile False, or use amp_level='O1' with torch_compile=True (amp_fx's backend compiles).")
         device_type = next(self.model.parameters()).device.type
         dtype = amp_dtype if amp_dtype is not None else (torch.float16 if device_type == "cuda" else torch.bfloat16)
         if dtype in (torch.float16, "fp16", "float16", "half"):
-            raise AmpValueError(
-                "AmpFxTrainer trains in bf16 only: fp16 needs a loss scaler in the Trainer's backward and step, which "
-                "its loop does not expose. Use amp_dtype=torch.bfloat16, or train fp16 with "
-                f"{PACKAGE}.integrations.accelerate.prepare or the Lightning plugin.")
+            dtype = torch.float16
+        if amp_scaler is not None and not isinstance(amp_scaler, LossScaler):
+            raise AmpValueError(f"AmpFxTrainer(amp_scaler=...) takes an {PACKAGE}.LossScaler, got {type(amp_scaler).__name__}")
         self.amp_level = amp_level
         self.amp_dtype = dtype
+        # fp16: a loss scaler around the Trainer's backward and step (bf16 needs none unless one is given)
+        self.amp_scaler = amp_scaler if amp_scaler is not None else (
+            LossScaler(dtype=torch.float16, level=amp_level) if dtype == torch.float16 else None)
         self.amp_options = dict(amp_options or {})
         self.amp_model: Optional[nn.Module] = None  # what compute_loss calls in place of self.model
-        if amp_level in _BACKEND_LEVELS:
+        if compiled:
+            if compile_name not in (None, "amp_fx"):
+                self.amp_options.setdefault("inner", compile_name)  # the Trainer's torch_compile_backend, e.g. inductor
             fp8 = self.amp_options.get("fp8")
             recipe = fp8.get("recipe") if isinstance(fp8, dict) else getattr(fp8, "recipe", fp8)
             if recipe == "delayed":
                 raise AmpValueError(
-                    f"AmpFxTrainer(amp_level={amp_level!r}, amp_options={{'fp8': 'delayed', ...}}): at O0/O1 the Trainer "
-                    "runs the torch.compile backend, which cannot keep delayed scaling's amax history in the model. "
-                    "Use amp_level='O2' (the model is converted, the history lives in its buffers and checkpoints), "
-                    "or fp8='tensorwise' / 'rowwise'.")
+                    f"AmpFxTrainer(amp_level={amp_level!r}, amp_options={{'fp8': 'delayed', ...}}) with torch_compile=True: "
+                    "the torch.compile backend cannot keep delayed scaling's amax history in the model. Leave "
+                    "torch_compile False or use amp_level='O2' (the model is converted, the history lives in its "
+                    "buffers), or fp8='tensorwise' / 'rowwise'.")
             compiler = backend(level=amp_level, dtype=dtype, **self.amp_options)
             self.amp_model = torch.compile(self.model, backend=compiler)
         self._masters: Optional[MasterWeightOptimizer] = None
-        if amp_level not in _BACKEND_LEVELS:
+        if not compiled:
             self.add_callback(_ZeroLowGrads(self))
 
     # ------------------------------------------------------------ conversion (O2/O3)
@@ -150,7 +173,8 @@ class AmpFxTrainer(transformers.Trainer):
         if isinstance(dataset, torch.utils.data.IterableDataset):
             raise AmpValueError(f"AmpFxTrainer(amp_level={self.amp_level!r}) converts the model with the first training "
                                 "batch as example inputs, and an IterableDataset has no first items to read without "
-                                "consuming it. Use amp_level='O1' (torch.compile, no example inputs needed).")
+                                "consuming it. Use amp_level='O1' with TrainingArguments(torch_compile=True) "
+                                "(torch.compile needs no example inputs).")
         # the columns the Trainer's own dataloader drops (those the model's forward does not take)
         if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):
             dataset = self._remove_unused_columns(dataset, description="training")
@@ -172,7 +196,7 @@ class AmpFxTrainer(transformers.Trainer):
     def create_optimizer(self, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer, over the model's (fp32) parameters; at O2 wrapped with the converted module's masters."""
         optimizer = super().create_optimizer(model)
-        if self.amp_level not in _BACKEND_LEVELS:
+        if not self.amp_compiled:
             converted = self._converted()
             if converted.amp_config.master_weights and not isinstance(optimizer, MasterWeightOptimizer):
                 self.optimizer = self._masters = MasterWeightOptimizer(optimizer, converted)
@@ -180,10 +204,12 @@ class AmpFxTrainer(transformers.Trainer):
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
         self._sync_master_grads()
+        self._unscale()
         return super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         self._sync_master_grads()
+        self._unscale()
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def _sync_master_grads(self) -> None:
@@ -192,10 +218,74 @@ class AmpFxTrainer(transformers.Trainer):
         if self._masters is not None:
             self._masters._sync_grads_to_masters()
 
+    # ------------------------------------------------------------ fp16: the loss scaler in the Trainer's loop
+    def _stepped(self) -> Any:
+        """The optimizer the scaler unscales and steps: the Trainer's (or MasterWeightOptimizer), inside Accelerate's."""
+        inner = getattr(self.optimizer, "optimizer", None)
+        if inner is None:
+            raise AmpRuntimeError("AmpFxTrainer with a loss scaler expects the Trainer's optimizer prepared by "
+                                  f"Accelerate (an AcceleratedOptimizer), got {type(self.optimizer).__name__}.")
+        return inner
+
+    def _unscale(self) -> None:
+        # Before the Trainer clips or measures the gradients: they must be the true ones (GradScaler's unscale_).
+        if self.amp_scaler is not None and not self.amp_scaler.is_unscaled(self._stepped()):
+            self.amp_scaler.unscale_(self._stepped())
+
+    def _scaled_step(self, closure: Any = None) -> bool:
+        """The Trainer's ``optimizer.step()`` under the scaler: skipped on overflow (with its scheduler step)."""
+        self._sync_master_grads()
+        self._unscale()
+        taken = self.amp_scaler.step(self._stepped())
+        self.amp_scaler.update()
+        if not taken and self.lr_scheduler is not None:  # as a GradScaler loop: no schedule step for a skipped one
+            scheduler = self.lr_scheduler
+            own = scheduler.__dict__.get("step")
+
+            def skipped(*args: Any, **kwargs: Any) -> None:
+                if own is None:
+                    del scheduler.step
+                else:
+                    scheduler.step = own
+
+            scheduler.step = skipped
+        return taken
+
+    def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
+        """The Trainer's step; with a loss scaler its backward gets the scaled loss (the logged loss is not)."""
+        if self.amp_scaler is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        optimizer = self.optimizer
+        if getattr(optimizer.__dict__.get("step"), "__func__", None) is not AmpFxTrainer._scaled_step:
+            self._stepped()  # (checks Accelerate wrapped it)
+            optimizer.step = self._scaled_step  # this prepared optimizer only; the Trainer calls it once per step
+        accelerator = self.accelerator
+        own = accelerator.__dict__.get("backward")
+        backward = accelerator.backward
+        accelerator.backward = lambda loss, **kw: backward(self.amp_scaler.scale(loss), **kw)
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            if own is None:
+                del accelerator.backward
+            else:
+                accelerator.backward = own
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.amp_scaler is not None and self.args.should_save:
+            torch.save(self.amp_scaler.state_dict(), os.path.join(output_dir, _SCALER_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, _SCALER_FILE) if checkpoint is not None else None
+        if self.amp_scaler is not None and path is not None and os.path.isfile(path):
+            self.amp_scaler.load_state_dict(torch.load(path, weights_only=True))
+
     # ------------------------------------------------------------ the forward
     def _runner(self, model: nn.Module) -> nn.Module:
         """The converted forward, in the mode the Trainer put ``model`` in."""
-        runner = self.amp_model if self.amp_level in _BACKEND_LEVELS else self._converted()
+        runner = self.amp_model if self.amp_compiled else self._converted()
         if runner.training != model.training:
             # The Trainer switches the model it holds (train() for training, eval() in evaluate());
             # the converted module follows it: dropout on while training, off while evaluating.

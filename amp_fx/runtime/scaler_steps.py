@@ -22,9 +22,13 @@ from .optimizer_checks import warn_if_eps_underflows
 from .overflow import check_and_unscale_, combined_found_inf, grads_of
 from .scaler_options import NO_GRADS_FIX
 from .scaler_state import _fp32
-from amp_fx.errors import AmpRuntimeError
+from amp_fx.errors import AmpRuntimeError, AmpWarning
 
-__all__ = ["ScalerStepsMixin"]
+__all__ = ["ScalerStepsMixin", "NoGradientsWarning"]
+
+
+class NoGradientsWarning(AmpWarning):
+    """``scaler.step(optimizer)`` with scaling off found no gradient on the optimizer's parameters: nothing is updated."""
 
 
 
@@ -189,7 +193,7 @@ class ScalerStepsMixin:
                 self._warned_no_grads = True
                 warnings.warn(
                     "scaler.step(optimizer): none of the optimizer's parameters has a gradient, so "
-                    "nothing is updated. " + NO_GRADS_FIX, UserWarning, stacklevel=3,
+                    "nothing is updated. " + NO_GRADS_FIX, NoGradientsWarning, stacklevel=3,
                 )
             found = False
         else:

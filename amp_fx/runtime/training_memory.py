@@ -7,7 +7,9 @@ the bytes of each distinct storage once, in the first role it is met in. No
 formula is involved, so a setup that keeps a hidden copy shows it.
 
 It understands any ``torch.optim.Optimizer``, :class:`MasterWeightOptimizer`
-(through its public ``master_parameters()``) and
+(through its public ``master_parameters()``, and ``grad_buffer_bytes()``: the
+fp32 gradient buffers ``keep_grad_buffers=True`` keeps between steps, counted
+as gradients even while no ``.grad`` points at them) and
 :class:`LowPrecisionOptimizer` (through ``compensation_buffers()``).
 """
 
@@ -74,7 +76,7 @@ def measure_training_memory(module: nn.Module, optimizer: Any = None) -> MemoryR
     """Measure the bytes ``module`` and ``optimizer`` hold now (call it after a step, before ``zero_grad``).
 
     Roles: ``weights`` (the module's parameters), ``gradients`` (their
-    ``.grad`` and the masters'), ``masters`` (fp32 copies a
+    ``.grad`` and the masters', and kept gradient buffers), ``masters`` (fp32 copies a
     ``MasterWeightOptimizer`` steps), ``compensation`` (Kahan buffers) and
     ``optimizer_state``. ``params`` counts the module's parameter elements.
     """
@@ -100,6 +102,9 @@ def measure_training_memory(module: nn.Module, optimizer: Any = None) -> MemoryR
         add("compensation", c)
     for p in (*params, *masters):
         add("gradients", p.grad)
+    kept = getattr(optimizer, "grad_buffer_bytes", None)
+    if callable(kept):  # buffers no .grad points at now (those that one does were counted just above)
+        held["gradients"] += int(kept())
     dtypes: dict[str, set[str]] = {}
     if optimizer is not None:
         for key, value in _state_tensors(optimizer.state):

@@ -55,11 +55,13 @@ def train(out, *, level=None, resume=None, dropout=0.0, **overrides):
                                        eval_dataset=Tokens(8, seed=2))
     else:
         trainer = AmpFxTrainer(model=model, args=arguments(out, **overrides), train_dataset=data,
-                               eval_dataset=Tokens(8, seed=2), amp_level=level, amp_options=_options(level))
+                               eval_dataset=Tokens(8, seed=2), amp_level=level,
+                               amp_options=_options(level, overrides.get("torch_compile", False)))
     trainer.train(resume_from_checkpoint=resume)
     losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
     return trainer, losses
 
 
-def _options(level):
-    return {"inner": "aot_eager"} if level in ("O0", "O1") else {}
+def _options(level, compiled):
+    """O0/O1 compiled (torch_compile=True): aot_eager inside amp_fx's backend, not inductor (CPU test time)."""
+    return {"inner": "aot_eager"} if compiled and level in ("O0", "O1") else {}

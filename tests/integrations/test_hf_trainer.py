@@ -94,12 +94,14 @@ def test_torch_compile_backend_amp_fx_is_taken(tmp_path):
 def test_refusals(tmp_path):
     with pytest.raises(amp_fx.AmpValueError, match="bf16=True"):
         AmpFxTrainer(model=gpt2(), args=arguments(tmp_path, bf16=True), train_dataset=Tokens(8))
-    with pytest.raises(amp_fx.AmpValueError, match="bf16 only"):
-        AmpFxTrainer(model=gpt2(), args=arguments(tmp_path), train_dataset=Tokens(8), amp_dtype=torch.float16)
+    with pytest.raises(amp_fx.AmpValueError, match="amp_scaler=.*LossScaler"):  # fp16 trains (test_hf_trainer_fp16.py)
+        AmpFxTrainer(model=gpt2(), args=arguments(tmp_path), train_dataset=Tokens(8), amp_dtype=torch.float16,
+                     amp_scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(amp_fx.AmpValueError, match="amp_level"):
         AmpFxTrainer(model=gpt2(), args=arguments(tmp_path), train_dataset=Tokens(8), amp_level="O5")
     with pytest.raises(amp_fx.AmpValueError, match="amp_level='O2'"):  # the backend keeps no amax history
-        AmpFxTrainer(model=gpt2(), args=arguments(tmp_path), train_dataset=Tokens(8), amp_options={"fp8": "delayed"})
+        AmpFxTrainer(model=gpt2(), args=arguments(tmp_path, torch_compile=True), train_dataset=Tokens(8),
+                     amp_options={"fp8": "delayed"})
     # Checkpointing's input-embedding hook cannot be kept by O2's export route: refused up front, naming the option.
     with pytest.raises(amp_fx.AmpValueError, match="gradient_checkpointing=True.*amp_level='O1'"):
         AmpFxTrainer(model=gpt2(), args=arguments(tmp_path, gradient_checkpointing=True), train_dataset=Tokens(8),
