@@ -303,9 +303,8 @@ def _warn_nothing_converted(gemms: list[dict], config: Optional[Fp8Config]) -> N
     parts = [f"{len(rows)} by {rule} ({rows[0]['why']}; change: {_CHANGE.get(rule, 'see docs/fp8.md')})"
              for rule, rows in sorted(by_rule.items(), key=lambda item: -len(item[1]))]
     recipe = f"recipe {config.recipe}" if config is not None else "by a policy 'fp8'"
-    warnings.warn(Fp8NothingConvertedWarning(
-        f"fp8 was asked for ({recipe}) but none of the {len(gemms)} GEMMs was converted; kept: "
-        + "; ".join(parts) + f". {PACKAGE}.explain(gm) shows each GEMM"), stacklevel=2)
+    warnings.warn(f"fp8 was asked for ({recipe}) but none of the {len(gemms)} GEMMs was converted; kept: "
+                  + "; ".join(parts) + f". {PACKAGE}.explain(gm) shows each GEMM", Fp8NothingConvertedWarning, stacklevel=2)
 
 
 @amp_pass(kind="rewrite", requires=("meta", "paint"))
