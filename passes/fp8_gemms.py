@@ -48,7 +48,7 @@ from amp_fx.ir.fp8_choice import Choice
 from amp_fx.ir.fp8_cost import DEVICES, FORMATS, layer_seconds
 from amp_fx.ir.fp8_rules import Fp8Config, Fp8NothingConvertedWarning, can_fp8, should_fp8
 from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
-from amp_fx.passes.fp8_auto import high_precision as _high_precision, is_weight as _is_weight, plan_auto
+from amp_fx.ir.fp8_plan import high_precision as _high_precision, is_weight as _is_weight, plan_auto
 from amp_fx.passes.pad_gemm import Gemm, find_gemm
 
 __all__ = ["fp8_gemms", "STATE_ROOT", "fp8_states", "fp8_group", "fp8_sync"]

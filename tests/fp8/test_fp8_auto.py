@@ -1,6 +1,6 @@
 """``Fp8Config(recipe="auto")``: per GEMM bf16 or an fp8 recipe, from the roofline model, a calibration and the rules.
 
-Rules under test (amp_fx/ir/fp8_cost.py, fp8_sensitivity.py, fp8_choice.py, passes/fp8_auto.py): large GEMMs
+Rules under test (amp_fx/ir/fp8_cost.py, fp8_sensitivity.py, fp8_choice.py, ir/fp8_plan.py): large GEMMs
 (K, N and M) go fp8 and small ones stay bf16 on the h100 profile; a GEMM whose input has heavy outlier rows
 stays bf16 or goes rowwise, its measured error in the reason; a tighter budget never converts more; the first
 GEMM, the one feeding the output and MoE routers stay bf16 unless switched off; no example inputs, no decision.

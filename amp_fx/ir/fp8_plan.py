@@ -31,7 +31,6 @@ from amp_fx.ir.cast_nodes import cast_source, is_inserted_cast
 from amp_fx.ir.fp8_choice import Choice, choose, structural_rule
 from amp_fx.ir.fp8_sensitivity import Fp8Sensitivity, capture_sensitivity
 from amp_fx.ir.pass_manager import PassContext
-from amp_fx.passes.pad_gemm import Gemm
 
 __all__ = ["plan_auto", "high_precision", "is_weight"]
 
@@ -98,8 +97,8 @@ def _refuse_without_inputs(ctx: PassContext) -> None:
             "them pick a recipe yourself (fp8='tensorwise', 'rowwise' or 'rowwise_with_gw_hp')")
 
 
-def plan_auto(gm: fx.GraphModule, ctx: PassContext, gemms: list[Gemm]) -> dict[fx.Node, Choice]:
-    """Each weighted GEMM's :class:`Choice` under the conversion's auto :class:`Fp8Config` (module docstring)."""
+def plan_auto(gm: fx.GraphModule, ctx: PassContext, gemms: list) -> dict[fx.Node, Choice]:
+    """Each weighted GEMM's :class:`Choice` under the conversion's auto :class:`Fp8Config`; ``gemms`` are the fp8 pass's GEMM records."""
     _refuse_without_inputs(ctx)
     config = ctx.config.fp8
     weighted = [g for g in gemms if is_weight(g.weight)]
