@@ -192,3 +192,14 @@ def test_every_warning_class_is_public_as_amp_fx_name():
             if isinstance(category, type) and getattr(amp_fx, category.__name__, None) is not category:
                 missing.append(f"{path}:{call.lineno}: {category.__name__} (add it to amp_fx/__init__.py's _LAZY)")
     assert not missing, "\n".join(missing)
+
+
+def test_a_warning_made_an_error_inside_a_pass_reaches_the_user_as_that_warning():
+    """A user's ``simplefilter("error", AmpWarning)`` turns a pass's warning into that warning raised, not a PassError
+    (found by a README-only tester: fp8 requested on tiny GEMMs raised PassError, which ``except AmpWarning`` missed)."""
+    import torch.nn as nn
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", amp_fx.AmpWarning)
+        with pytest.raises(amp_fx.Fp8NothingConvertedWarning):
+            amp_fx.convert(nn.Sequential(nn.Linear(16, 32)), "O1", fp8=True)

@@ -285,8 +285,8 @@ def run_pass(pass_fn: AmpPass, gm: fx.GraphModule, ctx: PassContext) -> PassResu
             ctx.held(result.graph_module.graph).update(ctx.held(gm.graph))
         _check_report(name, spec, result, before)
         _settle(name, spec, result, ctx)
-    except AmpError:  # PassError included: already names its pass
-        raise
+    except (AmpError, Warning):  # PassError included: already names its pass; a warning made an error by the
+        raise                    # user's filter stays that warning, so `except amp_fx.AmpWarning` catches it
     except Exception as error:
         raise PassError(f"amp_fx pass {name!r} failed: {type(error).__name__}: {error}") from error
     return result
