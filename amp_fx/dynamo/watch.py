@@ -41,7 +41,7 @@ from amp_fx.errors import PACKAGE, AmpWarning
 import torch
 import torch.nn as nn
 
-from amp_fx.dynamo import recompiles
+from amp_fx.dynamo import between_graphs, recompiles
 from amp_fx.dynamo.report import FIXES, DynamoBreak, publish
 
 __all__ = ["NothingConvertedWarning", "Watches", "ensure_watching", "set_resolver", "graph_converted",
@@ -198,6 +198,7 @@ def _start(compile_id: str) -> None:
     if resolved is None:
         return
     key, backend = resolved
+    between_graphs.attach(backend)  # before Dynamo saves the mode stack for tracing: see between_graphs
     from torch._dynamo.utils import graph_break_reasons
 
     code = found.get("code")
@@ -306,7 +307,10 @@ def _frame_name(code: Optional[CodeType]) -> tuple[str, str]:
 
 def _location(stack: Any) -> Optional[str]:
     try:
-        last = list(stack)[-1]
+        frames = list(stack)
+        # amp_fx's eager mode is on the stack Dynamo traces (it inlines the mode): the user's line is below it.
+        last = next((f for f in reversed(frames) if not str(getattr(f, "filename", "")).startswith(_INTERNAL[1])),
+                    frames[-1])
     except (TypeError, IndexError):
         return None
     filename, lineno = getattr(last, "filename", None), getattr(last, "lineno", None)
@@ -337,8 +341,10 @@ def _may_compile_nested(record: _Compile) -> bool:
 def _message(backend: Any, watch: _Watch) -> str:
     captured = ("Dynamo captured no graph" if not watch.graphs else
                 f"none of the {watch.graphs} graph(s) Dynamo captured holds a matrix multiply or convolution")
-    lines = [f"amp_fx converted nothing in a model compiled with the backend {backend.__name__}, so it ran in fp32: "
-             f"{captured}."]
+    ran = ("so it ran eagerly, uncompiled: its ops got amp_fx's eager decisions (the op tables; autocast inside "
+           "composite calls), amp_fx.coverage(model, *inputs) measures what ran low" if backend.report.eager_decided
+           else "so it ran in fp32")
+    lines = [f"amp_fx converted nothing in a model compiled with the backend {backend.__name__}, {ran}: {captured}."]
     lines.extend(f"  {event}" for event in watch.pending)
     hints: list[str] = []
     for event in watch.pending:
