@@ -20,8 +20,11 @@ a graph:
   private helpers, ``torch._transformer_encoder_layer_fwd``) runs under
   ``torch.autocast`` with the backend's dtype, so the ops inside it are
   decided by autocast's lists, which match amp_fx's for GEMMs;
-- module and type rules of a policy cannot apply (no module is known at a
-  torch call): :class:`BetweenGraphsWarning` says so once.
+- module and type rules of a policy apply too: the module calls on the
+  Python stack name the op's modules, as ``model.named_modules()`` does;
+  a GEMM outside any module of the compiled model (a compiled function's
+  own code) cannot be reached by them, and :class:`BetweenGraphsWarning`
+  says so once.
 
 The mode must be on the mode stack for the whole call of the compiled
 model, and already when Dynamo compiles its first frame: Dynamo guards on
@@ -49,6 +52,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from amp_fx.dynamo import frames
 from amp_fx.errors import AmpWarning
 from amp_fx.ir import tables
 from amp_fx.ir.op_keys import callable_op_name
@@ -126,6 +130,8 @@ class EagerDecisions(TorchFunctionMode):
         self.policy = policy
         self.owner = owner
         self.decided = 0  # calls decided since the mode was built (tests read it)
+        self.warned = False  # BetweenGraphsWarning is given once per backend
+        self.module_rules = [rule.describe() for rule in policy.rules if rule.kind != "op"]
 
     def low_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype is not None and self.dtype in (torch.float16, torch.bfloat16):
@@ -145,7 +151,13 @@ class EagerDecisions(TorchFunctionMode):
         if device is None or device.type not in ("cpu", "cuda") or torch.is_autocast_enabled(device.type):
             return func(*args, **kwargs)  # nothing floating, or the user's own autocast decides
         low = self.low_dtype(device)
-        rule = self.policy.decide(op, func, ()) if op is not None and self.policy.rules else None
+        rule = None
+        if self.policy.rules:
+            # Module and type rules need the op's modules: the module calls on the Python stack name them.
+            stack = frames.enclosing_modules() if self.module_rules else ()
+            rule = self.policy.decide(op, func, stack or ())
+            if stack is None and category == "low" and rule is None and not self.warned:
+                self._warn_module_rules(op)
         decision = rule.decision if rule is not None else category
         self.decided += 1
         if decision in ("low", "fp8") and rule is None and inspect.isfunction(func):
@@ -165,6 +177,20 @@ class EagerDecisions(TorchFunctionMode):
             with torch.autocast(device.type, dtype=low):
                 return func(*args, **kwargs)
         return func(*args, **kwargs)  # follow: whatever dtype arrives
+
+
+    def _warn_module_rules(self, op: Optional[str]) -> None:
+        """A GEMM runs eagerly where module rules may have meant it: say once that they cannot reach it."""
+        self.warned = True
+        warnings.warn(
+            f"{op} at {_user_line()} ran eagerly between the graphs of a model compiled with the backend "
+            f"{self.owner} (a graph break or a frame Dynamo skipped), outside any module of the compiled model: the policy's "
+            f"module and type rules ({', '.join(self.module_rules)}) cannot apply to it, so the op tables (and op "
+            "rules) decided it. Measure the share of GEMM FLOPs that ran in each dtype with "
+            "amp_fx.coverage(compiled_model, *inputs). Ways out: remove the graph break "
+            "(torch._dynamo.explain(model)(*inputs) lists them), decide the op with an op rule "
+            "(policy={'op:linear': 'fp32'}), or convert first: amp_fx.convert(model, policy=...).",
+            BetweenGraphsWarning, stacklevel=3)
 
 
 def _hook_for(backend: Any) -> Callable[[], Callable[[], None]]:
@@ -252,20 +278,26 @@ def attach(backend: Any) -> None:
     hooks.append(hook)
     cleanups.append(hook())
     backend.report.eager_decided = True
-    if any(rule.kind != "op" for rule in backend.policy.rules):
-        rules = ", ".join(rule.describe() for rule in backend.policy.rules if rule.kind != "op")
-        _warn_impossible(backend, f"the policy's module and type rules ({rules}) decide ops inside graphs only: "
-                                  "an op Dynamo runs eagerly has no module path, so op rules and the tables decide it")
 
 
 def _warn_impossible(backend: Any, reason: str) -> None:
-    if getattr(backend, "between_graphs_warned", False):
+    """Warn once per backend that the ops Dynamo runs eagerly for it are not decided (they run fp32)."""
+    mode = backend.eager_decisions
+    if mode.warned:
         return
-    backend.between_graphs_warned = True
+    mode.warned = True
     warnings.warn(
-        f"{reason}. Ops the model {backend.__name__} compiles runs eagerly between its graphs (graph breaks, frames "
-        "Dynamo skipped) may run in fp32. Measure the share of GEMM FLOPs that ran in each dtype with "
-        "amp_fx.coverage(compiled_model, *inputs); to decide every op, remove the graph breaks "
-        "(torch._dynamo.explain(model)(*inputs) lists them), convert first (amp_fx.convert(model, ...)), or use "
-        "op rules (policy={'op:linear': 'fp32'}) rather than module rules.",
-        BetweenGraphsWarning, stacklevel=2)
+        f"{reason}, so the ops a model compiled with the backend {backend.__name__} runs eagerly between its graphs "
+        "(graph breaks, frames Dynamo skipped) run in fp32. Measure the share of GEMM FLOPs that ran in each dtype "
+        "with amp_fx.coverage(compiled_model, *inputs). Ways out: call the model compiled by torch.compile (or "
+        "model.compile()), remove the graph breaks (torch._dynamo.explain(model)(*inputs) lists them), or convert "
+        "first: amp_fx.convert(model, ...).", BetweenGraphsWarning, stacklevel=2)
+
+
+def _user_line() -> str:
+    """``file:line`` of the innermost frame on the stack that is neither torch's nor amp_fx's."""
+    internal = (torch.__file__.rsplit("/", 1)[0] + "/", __file__.rsplit("/", 2)[0] + "/")
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(internal):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"

@@ -251,7 +251,8 @@ def _count_casts(run) -> int:
     return Casts.count
 
 
-def test_op_rules_apply_between_graphs_and_module_rules_warn_once():
+def test_policy_rules_apply_between_graphs():
+    """Op rules, and module rules by the modules on the Python stack: the eager projection is block.proj."""
     torch.manual_seed(0)
     model = WithBlock()
     x = torch.randn(3, 4)
@@ -262,13 +263,37 @@ def test_op_rules_apply_between_graphs_and_module_rules_warn_once():
     torch._dynamo.reset()
     be = _backend(policy={"module:block.proj": "fp32"})
     compiled = torch.compile(model, backend=be)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", amp_fx.BetweenGraphsWarning)  # the rule reaches its module: nothing to say
+        compiled(x)
+        cov = amp_fx.coverage(compiled, x)
+    proj = 2 * 3 * 8 * 8
+    assert cov.by_op[("addmm", "float32")] == proj and cov.flops["bfloat16"] == cov.total - proj
+
+
+def test_module_rules_that_cannot_reach_an_eager_gemm_warn_once():
+    """A compiled function's own eager GEMM sits in no module of the model: a module rule cannot reach it."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+
+    @torch.compiler.disable
+    def eager_gemm(h):
+        return h @ layer.weight.T
+
+    def step(x):
+        return eager_gemm(layer(x)).sum()
+
+    compiled = torch.compile(step, backend=_backend(policy={"module:head": "fp32"}))
+    x = torch.randn(2, 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled(x)
         compiled(x)
     mine = [w for w in caught if issubclass(w.category, amp_fx.BetweenGraphsWarning)]
     assert len(mine) == 1
-    assert "policy module 'block.proj' -> fp32" in str(mine[0].message) and "amp_fx.coverage" in str(mine[0].message)
+    text = str(mine[0].message)
+    assert text.startswith(f"matmul at {__file__}:")
+    assert "policy module 'head' -> fp32" in text and "amp_fx.coverage" in text
 
 
 def test_level_o0_enters_no_mode():
