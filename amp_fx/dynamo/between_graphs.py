@@ -49,6 +49,7 @@ import warnings
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -69,7 +70,6 @@ _STATE = threading.local()
 # (a backward under autocast would cast the gradient GEMMs a second time).
 _NEVER = frozenset({"__get__", "__set__", "__delete__", "to", "type", "float", "double", "half", "bfloat16",
                     "backward", "grad", "size", "dim", "numel", "data_ptr", "__setitem__", "__torch_function__"})
-_RULE_DTYPES = {"fp32": torch.float32}
 
 
 @contextlib.contextmanager
@@ -111,10 +111,19 @@ def _classify(func: Any) -> tuple[Optional[str], str, bool]:
 
 
 def _device_of(args: tuple, kwargs: dict) -> Optional[torch.device]:
+    """The device of the first floating-point tensor argument; None when there is none or the call is a compiler's.
+
+    Fake tensors mean a compiler is tracing (inductor compiling a backward
+    graph lazily inside the call): its ops are not the model's.
+    """
+    device = None
     for value in tree_leaves((args, kwargs)):
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.device
-    return None
+        if isinstance(value, torch.Tensor):
+            if isinstance(value, FakeTensor):
+                return None
+            if device is None and value.is_floating_point():
+                device = value.device
+    return device
 
 
 def _cast_inputs(args: tuple, kwargs: dict, cast: Callable[[torch.Tensor], torch.Tensor]) -> tuple[tuple, dict]:
@@ -142,7 +151,9 @@ class EagerDecisions(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # Dynamo traces through the mode: nothing of it enters a graph
             return func(*args, **kwargs)
-        if getattr(_STATE, "suspended", 0):
+        if getattr(_STATE, "suspended", 0) or torch._C._current_graph_task_id() != -1:
+            # A graph runs (it holds its casts), or autograd runs a backward (a custom Function's Python backward):
+            # backward ops follow the dtypes the forward made, as under autocast.
             return func(*args, **kwargs)
         op, category, inplace = _classify(func)
         if category == "never" or inplace:  # an in-place op keeps its tensor's dtype, as in a graph
@@ -164,9 +175,9 @@ class EagerDecisions(TorchFunctionMode):
             # A Python composite the tables name as one op (F.multi_head_attention_forward): inside a graph it is a
             # leaf, here its body runs torch calls the mode no longer sees; autocast gives them the tables' decisions.
             decision = "unknown"
-        if decision in ("low", "fp8"):
+        if decision in ("low", "fp8"):  # fp8 needs a graph's scaled GEMM: eagerly, the low dtype
             args, kwargs = _cast_inputs(args, kwargs, lambda t: t.to(low) if t.dtype == torch.float32 else t)
-        elif decision in ("fp32", "banned"):
+        elif decision in ("fp32", "banned"):  # a banned op, refused in a graph, is safe in fp32
             args, kwargs = _cast_inputs(args, kwargs, lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t)
         elif decision == "promote":
             floats = [t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -178,14 +189,13 @@ class EagerDecisions(TorchFunctionMode):
                 return func(*args, **kwargs)
         return func(*args, **kwargs)  # follow: whatever dtype arrives
 
-
     def _warn_module_rules(self, op: Optional[str]) -> None:
         """A GEMM runs eagerly where module rules may have meant it: say once that they cannot reach it."""
         self.warned = True
         warnings.warn(
             f"{op} at {_user_line()} ran eagerly between the graphs of a model compiled with the backend "
-            f"{self.owner} (a graph break or a frame Dynamo skipped), outside any module of the compiled model: the policy's "
-            f"module and type rules ({', '.join(self.module_rules)}) cannot apply to it, so the op tables (and op "
+            f"{self.owner} (a graph break or a frame Dynamo skipped), outside any module of the compiled model: the "
+            f"policy's module and type rules ({', '.join(self.module_rules)}) cannot apply to it, so the op tables (and op "
             "rules) decided it. Measure the share of GEMM FLOPs that ran in each dtype with "
             "amp_fx.coverage(compiled_model, *inputs). Ways out: remove the graph break "
             "(torch._dynamo.explain(model)(*inputs) lists them), decide the op with an op rule "

@@ -11,8 +11,8 @@ be compared.
 Counted ops are the GEMMs of :data:`torch.utils.flop_counter.flop_registry`
 (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``convolution`` and its backward,
 ``_scaled_mm``, the fused scaled-dot-product-attention kernels and their
-backwards), plus oneDNN's fused LSTM layer (``mkldnn_rnn_layer``), which is
-how CPU autocast runs a bf16 ``nn.LSTM``.  ``linear`` and ``matmul`` reach
+backwards), plus oneDNN's fused LSTM layer (``mkldnn_rnn_layer``, which is
+how CPU autocast runs a bf16 ``nn.LSTM``) and its backward.  ``linear`` and ``matmul`` reach
 dispatch as ``addmm``/``mm``/``bmm``.  An op's dtype is that of its first
 tensor input (``_scaled_mm``'s fp8 operands count as fp8).  GEMMs that
 inductor fuses into its own kernels never reach dispatch and are not seen.
@@ -50,6 +50,9 @@ def _formulas() -> dict:
     rnn_layer = getattr(torch.ops.aten, "mkldnn_rnn_layer", None)
     if rnn_layer is not None:
         formulas[rnn_layer] = _lstm_layer_flops
+    rnn_backward = getattr(torch.ops.aten, "mkldnn_rnn_layer_backward", None)
+    if rnn_backward is not None:  # the gradients of the inputs and of the weights: twice the forward's GEMMs
+        formulas[rnn_backward] = lambda args, kwargs, out: 2 * _lstm_layer_flops(args, kwargs, out)
     return formulas
 
 
