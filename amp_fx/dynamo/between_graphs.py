@@ -51,7 +51,6 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves, tree_map
 
 from amp_fx.dynamo import frames
 from amp_fx.errors import AmpWarning
@@ -110,6 +109,15 @@ def _classify(func: Any) -> tuple[Optional[str], str, bool]:
     return op, tables.table_of(op), inplace
 
 
+def _tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    """The tensor arguments of a torch call: top level, or in a list or tuple (a TensorList: cat's, lstm's weights)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (item for item in value if isinstance(item, torch.Tensor))
+
+
 def _device_of(args: tuple, kwargs: dict) -> Optional[torch.device]:
     """The device of the first floating-point tensor argument; None when there is none or the call is a compiler's.
 
@@ -117,17 +125,24 @@ def _device_of(args: tuple, kwargs: dict) -> Optional[torch.device]:
     graph lazily inside the call): its ops are not the model's.
     """
     device = None
-    for value in tree_leaves((args, kwargs)):
-        if isinstance(value, torch.Tensor):
-            if isinstance(value, FakeTensor):
-                return None
-            if device is None and value.is_floating_point():
-                device = value.device
+    for value in _tensors(args, kwargs):
+        if isinstance(value, FakeTensor):
+            return None
+        if device is None and value.is_floating_point():
+            device = value.device
     return device
 
 
 def _cast_inputs(args: tuple, kwargs: dict, cast: Callable[[torch.Tensor], torch.Tensor]) -> tuple[tuple, dict]:
-    return tree_map(lambda v: cast(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, (args, kwargs))
+    """``args`` and ``kwargs`` with ``cast`` applied to each floating-point tensor (as :func:`_tensors` finds them)."""
+    def one(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return cast(value) if value.is_floating_point() else value
+        if isinstance(value, (list, tuple)) and any(isinstance(item, torch.Tensor) for item in value):
+            return type(value)(one(item) if isinstance(item, torch.Tensor) else item for item in value)
+        return value
+
+    return tuple(one(value) for value in args), {key: one(value) for key, value in kwargs.items()}
 
 
 class EagerDecisions(TorchFunctionMode):
@@ -180,7 +195,7 @@ class EagerDecisions(TorchFunctionMode):
         elif decision in ("fp32", "banned"):  # a banned op, refused in a graph, is safe in fp32
             args, kwargs = _cast_inputs(args, kwargs, lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t)
         elif decision == "promote":
-            floats = [t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            floats = [t.dtype for t in _tensors(args, kwargs) if t.is_floating_point()]
             widest = max(floats, key=lambda d: torch.finfo(d).bits)
             args, kwargs = _cast_inputs(args, kwargs, lambda t: t.to(widest) if t.dtype != widest else t)
         elif decision == "unknown":
@@ -252,7 +267,7 @@ def _run_eagerly_in_dynamo() -> None:
     """
     from torch._dynamo.eval_frame import skip_code
 
-    for value in (EagerDecisions, _classify, _device_of, _cast_inputs, run_suspended):
+    for value in (EagerDecisions, _classify, _tensors, _device_of, _cast_inputs, run_suspended):
         for code in _codes(value):
             skip_code(code)
     # What the mode calls to classify an op (amp_fx.ir) is never the user's code: skipped as well.
