@@ -50,6 +50,9 @@ __all__ = ["NothingConvertedWarning", "Watches", "ensure_watching", "set_resolve
 logger = logging.getLogger(__name__)  # amp_fx.dynamo.watch
 
 _CHAINED = "*** While handling this graph break, another graph break occurred: ***"
+_STEP_UNSUPPORTED = "step_unsupported"
+_STEP_UNSUPPORTED_SAID = ("step_unsupported: Dynamo met a step it cannot trace, compiled the graph up to it and runs "
+                          "the rest of the frame eagerly, with no resume function")
 _NOISE = ("earlier graph break", "report an issue to PyTorch")
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$")
 # Frames of torch, amp_fx and contextlib are not the user's: the warning points past them, at the call of the model.
@@ -216,8 +219,10 @@ def _end(record: _Compile, error: Optional[BaseException], compile_id: str) -> N
     watch = record.watch
     watch.graphs += record.graphs
     watch.low_graphs += record.low_graphs
-    # A compile that ends in a graph break leaves one resume function for the rest of the frame; one that raised, none.
-    watch.open_resumes += int(error is None and any(event.kind == "graph break" for event in events))
+    # A compile that ends in a graph break leaves one resume function for the rest of the frame; one that raised, none;
+    # an unsupported step none either: Dynamo runs the rest of that frame eagerly (step_graph_break skips its resume code).
+    watch.open_resumes += int(error is None and any(event.kind == "graph break" and event.reason != _STEP_UNSUPPORTED_SAID
+                                                    for event in events))
     if events:
         record.backend.report.breaks.extend(events)
         publish(record.backend.report)
@@ -242,6 +247,8 @@ def _events(record: _Compile, error: Optional[BaseException], compile_id: str) -
     events = []
     for reason in graph_break_reasons[record.breaks_before:]:
         text, hints = summarise_reason(str(getattr(reason, "reason", reason)))
+        if text == _STEP_UNSUPPORTED:  # Dynamo's bare tag: say what it means
+            text = _STEP_UNSUPPORTED_SAID
         events.append(DynamoBreak("graph break", frame, where, text, _location(getattr(reason, "user_stack", None)),
                                   hints, compile_id))
     if error is None or isinstance(error, SkipFrame) or record.raises:
