@@ -171,7 +171,8 @@ class EagerDecisions(TorchFunctionMode):
             # backward ops follow the dtypes the forward made, as under autocast.
             return func(*args, **kwargs)
         op, category, inplace = _classify(func)
-        if category == "never" or inplace:  # an in-place op keeps its tensor's dtype, as in a graph
+        if category == "never" or inplace or kwargs.get("out") is not None:
+            # An in-place op, or one writing into out=, keeps that tensor's dtype (a cast copy would take the write).
             return func(*args, **kwargs)
         device = _device_of(args, kwargs)
         if device is None or device.type not in ("cpu", "cuda") or torch.is_autocast_enabled(device.type):

@@ -324,6 +324,28 @@ def test_module_rules_that_cannot_reach_an_eager_gemm_warn_once():
     assert "policy module 'head' -> fp32" in text and "amp_fx.coverage" in text
 
 
+def test_writes_into_out_and_in_place_keep_their_tensors():
+    """An eager mm into out= and an in-place addmm_ write the user's fp32 tensors: the mode casts neither."""
+    torch.manual_seed(0)
+    weight = torch.randn(4, 4)
+
+    @torch.compiler.disable
+    def eager(h, out):
+        torch.mm(h, weight, out=out)
+        return out.addmm_(h, weight)
+
+    def step(x, out):
+        return eager(torch.relu(x), out) * 2
+
+    x, out = torch.randn(3, 4), torch.zeros(3, 4)
+    with pytest.warns(amp_fx.NothingConvertedWarning):  # no graph holds a GEMM: said, as ever
+        result = torch.compile(step, backend=_backend())(x, out)
+    expected = torch.relu(x) @ weight * 2  # mm writes h @ W, addmm_ adds it again
+    # fp32 kernels (addmm's accumulation order may differ from mm's by an ulp); bf16 would be ~2**-8 off.
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert result.dtype == torch.float32 and torch.equal(result, out * 2)
+
+
 def test_level_o0_enters_no_mode():
     model = WithBlock()
     x = torch.randn(3, 4)
