@@ -16,10 +16,14 @@ a graph:
   graph pass would cast them (low: fp32 inputs to the low dtype; fp32: low
   inputs to fp32; promote: to the widest); a policy ``"op:..."`` rule takes
   precedence;
-- any other call (a composite such as ``F.multi_head_attention_forward``'s
-  private helpers, ``torch._transformer_encoder_layer_fwd``) runs under
-  ``torch.autocast`` with the backend's dtype, so the ops inside it are
-  decided by autocast's lists, which match amp_fx's for GEMMs;
+- a Python composite the tables name as one op (``F.multi_head_attention_forward``)
+  and any call no table names (``torch._transformer_encoder_layer_fwd``)
+  run under ``torch.autocast`` with the backend's dtype: the mode does not
+  see the torch calls inside them, autocast decides those, and its lists
+  match amp_fx's for GEMMs;
+- in-place calls, calls writing into ``out=``, calls under the user's own
+  autocast and Python code run by autograd's backward are left alone; a
+  policy's ``"fp8"`` runs the low dtype (fp8 needs a graph's scaled GEMM);
 - module and type rules of a policy apply too: the module calls on the
   Python stack name the op's modules, as ``model.named_modules()`` does;
   a GEMM outside any module of the compiled model (a compiled function's
