@@ -354,3 +354,18 @@ def test_level_o0_enters_no_mode():
     compiled(x)
     assert not be.report.eager_decided
     assert amp_fx.coverage(compiled, x).low_share == 0.0
+
+
+def test_no_compile_entry_to_enter_from_warns_once():
+    """attach() outside any torch.compile call (no context to hook): the eager ops would run fp32, said once."""
+    from amp_fx.dynamo import between_graphs
+
+    be = _backend()
+    with pytest.warns(amp_fx.BetweenGraphsWarning, match="run in fp32") as caught:
+        between_graphs.attach(be)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", amp_fx.BetweenGraphsWarning)
+        between_graphs.attach(be)  # once per backend
+    text = str(caught[0].message)
+    assert "found no torch.compile context" in text and "amp_fx.coverage" in text and "amp_fx.convert" in text
+    assert not be.report.eager_decided
