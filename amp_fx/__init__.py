@@ -39,6 +39,10 @@ _LAZY = {
     "calibrate": ".inspection.calibration",
     # torch.compile backend: Dynamo skipped or broke a model's frames, nothing converted
     "NothingConvertedWarning": ".dynamo.watch",
+    "BetweenGraphsWarning": ".dynamo.between_graphs",
+    # the share of GEMM FLOPs that ran in each dtype, measured at dispatch on any route
+    "coverage": ".inspection.coverage",
+    "Coverage": ".inspection.coverage",
     # fp8 GEMMs (docs/fp8.md): the recipe, and each fp8 GEMM's scales and amax history
     "Fp8Config": ".ir.fp8_rules",
     "fp8_states": ".passes.fp8_gemms",

@@ -22,7 +22,8 @@ of the model compiled (or recompiled) last, covering all its graphs; an
 :class:`AmpBackend` object also keeps its own in ``.report``.  When Dynamo
 skips a model's frames or breaks them before every GEMM, so that nothing is
 converted, :mod:`amp_fx.dynamo.watch` warns (``NothingConvertedWarning``)
-and the report says why.
+and the report says why.  What Dynamo runs eagerly between graphs gets the
+same decisions (:mod:`amp_fx.dynamo.between_graphs`).
 
 This module names and finds the backend objects (:func:`backend`, the
 registered name, the model a compile is for); converting a graph is

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import torch
 import torch.fx as fx
 
+from amp_fx.dynamo.between_graphs import EagerDecisions, run_suspended, suspended
 from amp_fx.dynamo.bodies import convert_bodies, describe_region_nodes
 from amp_fx.dynamo import frames
 from amp_fx.dynamo.transforms import refuse_autograd_transforms
@@ -75,12 +76,12 @@ def _resolve_inner(inner: Union[str, Callable]) -> tuple[Callable, str]:
 
 
 def _without_outer_autocast(compiled: Callable) -> Callable:
-    """Wrap a compiled graph so that it runs with any outer autocast disabled: it already holds its casts."""
+    """Wrap a compiled graph so that it runs with any outer autocast, and amp_fx's eager decisions, off: it holds its casts."""
 
     # updated=(): attributes such as _boxed_call describe the inner callable's calling convention, not this one's
     @functools.wraps(compiled, updated=())
     def run(*args: Any) -> Any:
-        return call_without_outer_autocast(compiled, *args)
+        return run_suspended(call_without_outer_autocast, compiled, *args)
 
     return run
 
@@ -160,6 +161,8 @@ class AmpBackend:
         self.report = self._new_report()
         self.watches = watch.Watches()  # per compiled model: did Dynamo leave anything to convert?
         self.__name__ = f"amp_fx[{self.config.level},{self.inner_name}]"
+        # What the ops Dynamo runs eagerly between this backend's graphs get (amp_fx.dynamo.between_graphs).
+        self.eager_decisions = EagerDecisions(self.config.dtype, self.policy, self.__name__)
         watch.ensure_watching()
 
     def _new_report(self) -> CompiledReport:
@@ -172,7 +175,8 @@ class AmpBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         """Convert ``gm`` (in place), record its report, and return the inner backend's compiled callable."""
         watch.ensure_watching()  # again after a torch._dynamo.reset(), for the model's next frames
-        with no_outer_autocast():
+        # Dynamo hands the backend its mode stack back: amp_fx's eager mode must not decide the inner backend's tracing.
+        with no_outer_autocast(), suspended():
             device = device_type_of(gm, example_inputs)
             config = self.config
             if config.op_mode != "none":  # O0 writes no cast
@@ -293,7 +297,9 @@ class AmpBackend:
 
     def reset(self) -> None:
         """Called by ``torch._dynamo.reset()``: later graphs go to a fresh report (a held one stays intact)."""
+        eager_decided = self.report.eager_decided  # the hooks stay on the compiled models' contexts
         self.report = self._new_report()
+        self.report.eager_decided = eager_decided
         self.watches = watch.Watches()
         reset = getattr(self.inner_fn, "reset", None)
         if callable(reset):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+import weakref
 from types import CodeType, FrameType
 from typing import Any, Iterable, Optional
 
@@ -38,7 +39,7 @@ import torch.nn as nn
 
 from amp_fx.dynamo.graph import ROOT_VARIABLE, STEP
 
-__all__ = ["FramePlace", "Held", "locate", "guard_instance"]
+__all__ = ["FramePlace", "Held", "locate", "guard_instance", "enclosing_modules"]
 
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$")
 _LOCAL = re.compile(r"L\[\s*'([^']*)'\s*\]")  # a frame local: the one kind of expression guard_instance guards
@@ -248,3 +249,36 @@ def guard_instance(expression: str) -> bool:
     except (ImportError, AttributeError, TypeError, AssertionError, RuntimeError):
         return False
     return True
+
+
+def enclosing_modules() -> Optional[list[tuple[str, type]]]:
+    """``(path, type)`` of the modules whose ``forward`` runs at this point of a compiled call, innermost first.
+
+    For an op that Dynamo runs eagerly (between graphs): the ``_call_impl``
+    frames on the Python stack name its modules, and the compiled model (the
+    outermost of them, or the module the compiled callable was called with)
+    gives their ``model.named_modules()`` paths.  None when a module is not in
+    that model or no compiled call is on the stack.
+    """
+    calls, entry = _calls_on_stack()
+    if entry is None:
+        return None
+    _, entry_modules = _entry_callable(entry)
+    models = ([calls[-1]] if calls else []) + [m for m in entry_modules if not calls or m is not calls[-1]]
+    for model in models:
+        names = _names_of(model)
+        if all(id(module) in names for module in calls):
+            return [(names[id(module)], type(module)) for module in calls]
+    return None
+
+
+_NAMES: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = weakref.WeakKeyDictionary()
+
+
+def _names_of(model: nn.Module) -> dict[int, str]:
+    """``id(module) -> path`` for every module of ``model`` (cached: module trees rarely change between calls)."""
+    names = _NAMES.get(model)
+    if names is None:
+        names = {id(module): name for name, module in model.named_modules()}
+        _NAMES[model] = names
+    return names

@@ -1,4 +1,4 @@
-"""Warn when Dynamo stops recompiling a frame of a model compiled with the amp_fx backend: it then runs in fp32.
+"""Warn when Dynamo stops recompiling a frame of a model compiled with the amp_fx backend: it then runs eagerly.
 
 Past ``torch._dynamo.config.recompile_limit`` compiles of one frame (8 by
 default; a new input shape, dtype or Python constant each costs one), Dynamo
@@ -38,7 +38,7 @@ Locate = Callable[[], Optional[tuple[set, bool]]]
 
 
 class RecompileLimitWarning(AmpWarning):
-    """Dynamo hit its recompile limit on a frame compiled with the amp_fx backend: that frame now runs in fp32."""
+    """Dynamo hit its recompile limit on a frame compiled with the amp_fx backend: that frame now runs eagerly, uncompiled."""
 
 
 def message(limit_type: str, limit: Any, function: str, reason: Any) -> str:
@@ -50,7 +50,8 @@ def message(limit_type: str, limit: Any, function: str, reason: Any) -> str:
         function = f"the compiled module's forward (Dynamo's frame {function})"
     return (
         f"amp_fx: Dynamo hit {named} = {limit} compiling {function}, so it stops compiling that frame: from now on "
-        "it runs eagerly, unconverted by the amp_fx backend, in fp32. "
+        "it runs eagerly, uncompiled: amp_fx's eager mode gives its ops the op tables' precisions as it does between "
+        "graphs (fp32 where amp_fx warned BetweenGraphsWarning), but no graph of it is converted, compiled or fused. "
         f"Dynamo recompiled it because: {reason}. Fixes: raise torch._dynamo.config.{limit_type} above the number of "
         "variants you run; or compile with torch.compile(model, backend=..., dynamic=True) so a changing size does "
         "not recompile; or mark the sizes that vary with torch._dynamo.mark_dynamic(tensor, dim) before the first "

@@ -81,6 +81,9 @@ class CompiledReport:
     graphs: list[GraphReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     breaks: list[DynamoBreak] = field(default_factory=list)
+    # True once amp_fx's eager mode covers the model's calls: what Dynamo runs eagerly gets the tables' decisions
+    # (amp_fx.dynamo.between_graphs); False where it could not be entered, and those ops ran fp32.
+    eager_decided: bool = False
 
     def add(self, compile_id: str, name: str, report: ConversionReport, region: Optional[str] = None) -> None:
         """Record one more converted graph (``region``: the higher-order op whose body it is, if any)."""
@@ -170,7 +173,7 @@ class CompiledReport:
         """JSON-serialisable form: combined totals plus each graph's report."""
         return {
             "level": self.level, "dtype": self.dtype, "inner": self.inner, "totals": self.totals(),
-            "notes": list(self.notes), "nothing_converted": self.nothing_converted,
+            "notes": list(self.notes), "nothing_converted": self.nothing_converted, "eager_decided": self.eager_decided,
             "breaks": [dataclasses.asdict(event) for event in self.breaks],
             "graphs": [{"compile_id": g.compile_id, "name": g.name, "region": g.region, **g.report.to_dict()}
                        for g in self.graphs],
@@ -186,6 +189,8 @@ class CompiledReport:
         if self.nothing_converted:
             # Said first: every number below is zero because of it.
             lines.append(f"nothing converted: {self.breaks[0]}")
+            if self.eager_decided:
+                lines.append("  (it ran eagerly, uncompiled, with amp_fx's eager decisions: see amp_fx.coverage)")
             lines.extend(f"  and: {event}" for event in self.breaks[1:])
             lines.extend(f"  Dynamo's hint: {hint}" for hint in self.hints())
             lines.append(f"  {FIXES}")
@@ -197,7 +202,8 @@ class CompiledReport:
         ]
         lines.extend(f"  note: {n}" for n in self.notes)
         if not self.nothing_converted:
-            lines.extend(f"  eager (fp32): {event}" for event in self.breaks)
+            ran = "eager, amp_fx's eager decisions" if self.eager_decided else "eager (fp32)"
+            lines.extend(f"  {ran}: {event}" for event in self.breaks)
         for index, graph in enumerate(self.graphs):
             lines.append(f"-- graph g{index} (compile id {graph.compile_id}, {graph.name})")
             lines.extend("  " + line for line in str(graph.report).splitlines())

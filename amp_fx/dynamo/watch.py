@@ -41,7 +41,7 @@ from amp_fx.errors import PACKAGE, AmpWarning
 import torch
 import torch.nn as nn
 
-from amp_fx.dynamo import recompiles
+from amp_fx.dynamo import between_graphs, recompiles
 from amp_fx.dynamo.report import FIXES, DynamoBreak, publish
 
 __all__ = ["NothingConvertedWarning", "Watches", "ensure_watching", "set_resolver", "graph_converted",
@@ -50,6 +50,9 @@ __all__ = ["NothingConvertedWarning", "Watches", "ensure_watching", "set_resolve
 logger = logging.getLogger(__name__)  # amp_fx.dynamo.watch
 
 _CHAINED = "*** While handling this graph break, another graph break occurred: ***"
+_STEP_UNSUPPORTED = "step_unsupported"
+_STEP_UNSUPPORTED_SAID = ("step_unsupported: Dynamo met a step it cannot trace, compiled the graph up to it and runs "
+                          "the rest of the frame eagerly, with no resume function")
 _NOISE = ("earlier graph break", "report an issue to PyTorch")
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$")
 # Frames of torch, amp_fx and contextlib are not the user's: the warning points past them, at the call of the model.
@@ -198,6 +201,7 @@ def _start(compile_id: str) -> None:
     if resolved is None:
         return
     key, backend = resolved
+    between_graphs.attach(backend)  # before Dynamo saves the mode stack for tracing: see between_graphs
     from torch._dynamo.utils import graph_break_reasons
 
     code = found.get("code")
@@ -215,8 +219,10 @@ def _end(record: _Compile, error: Optional[BaseException], compile_id: str) -> N
     watch = record.watch
     watch.graphs += record.graphs
     watch.low_graphs += record.low_graphs
-    # A compile that ends in a graph break leaves one resume function for the rest of the frame; one that raised, none.
-    watch.open_resumes += int(error is None and any(event.kind == "graph break" for event in events))
+    # A compile that ends in a graph break leaves one resume function for the rest of the frame; one that raised, none;
+    # an unsupported step none either: Dynamo runs the rest of that frame eagerly (step_graph_break skips its resume code).
+    watch.open_resumes += int(error is None and any(event.kind == "graph break" and event.reason != _STEP_UNSUPPORTED_SAID
+                                                    for event in events))
     if events:
         record.backend.report.breaks.extend(events)
         publish(record.backend.report)
@@ -241,6 +247,8 @@ def _events(record: _Compile, error: Optional[BaseException], compile_id: str) -
     events = []
     for reason in graph_break_reasons[record.breaks_before:]:
         text, hints = summarise_reason(str(getattr(reason, "reason", reason)))
+        if text == _STEP_UNSUPPORTED:  # Dynamo's bare tag: say what it means
+            text = _STEP_UNSUPPORTED_SAID
         events.append(DynamoBreak("graph break", frame, where, text, _location(getattr(reason, "user_stack", None)),
                                   hints, compile_id))
     if error is None or isinstance(error, SkipFrame) or record.raises:
@@ -306,7 +314,10 @@ def _frame_name(code: Optional[CodeType]) -> tuple[str, str]:
 
 def _location(stack: Any) -> Optional[str]:
     try:
-        last = list(stack)[-1]
+        frames = list(stack)
+        # amp_fx's eager mode is on the stack Dynamo traces (it inlines the mode): the user's line is below it.
+        last = next((f for f in reversed(frames) if not str(getattr(f, "filename", "")).startswith(_INTERNAL[1])),
+                    frames[-1])
     except (TypeError, IndexError):
         return None
     filename, lineno = getattr(last, "filename", None), getattr(last, "lineno", None)
@@ -337,8 +348,10 @@ def _may_compile_nested(record: _Compile) -> bool:
 def _message(backend: Any, watch: _Watch) -> str:
     captured = ("Dynamo captured no graph" if not watch.graphs else
                 f"none of the {watch.graphs} graph(s) Dynamo captured holds a matrix multiply or convolution")
-    lines = [f"amp_fx converted nothing in a model compiled with the backend {backend.__name__}, so it ran in fp32: "
-             f"{captured}."]
+    ran = ("so it ran eagerly, uncompiled: its ops got amp_fx's eager decisions (the op tables; autocast inside "
+           "composite calls), amp_fx.coverage(model, *inputs) measures what ran low" if backend.report.eager_decided
+           else "so it ran in fp32")
+    lines = [f"amp_fx converted nothing in a model compiled with the backend {backend.__name__}, {ran}: {captured}."]
     lines.extend(f"  {event}" for event in watch.pending)
     hints: list[str] = []
     for event in watch.pending:

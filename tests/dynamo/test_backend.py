@@ -241,11 +241,15 @@ def test_known_limit_mixed_dtype_call_rejected_before_the_backend():
 
 
 def test_known_limit_rnn_frames_skipped_without_allow_rnn():
-    """Without torch._dynamo.config.allow_rnn Dynamo never hands the LSTM model's frame to the backend."""
+    """Without torch._dynamo.config.allow_rnn Dynamo never hands the LSTM model's frame to the backend.
+
+    The frame runs eagerly, and amp_fx's eager mode gives its ops the tables' decisions: the LSTM and the head
+    run bf16 (uncompiled), and NothingConvertedWarning says that no graph was converted."""
     capture = Capture()
     model, example, _ = zoo.build("lstm")
-    out = torch.compile(model, backend=amp_fx.backend(inner=capture, cast_model_outputs=False))(*example)
-    assert capture.graphs == [] and out.dtype == torch.float32  # ran eagerly in fp32
+    with pytest.warns(amp_fx.NothingConvertedWarning, match="LSTM"):
+        out = torch.compile(model, backend=amp_fx.backend(inner=capture, cast_model_outputs=False))(*example)
+    assert capture.graphs == [] and out.dtype == torch.bfloat16  # ran eagerly, decided by amp_fx's eager mode
     with torch._dynamo.config.patch(allow_rnn=True):
         torch._dynamo.reset()
         out = torch.compile(model, backend=amp_fx.backend(inner=capture, cast_model_outputs=False))(*example)

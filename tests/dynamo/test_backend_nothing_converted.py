@@ -1,7 +1,8 @@
 """The backend says when it converted nothing: Dynamo skipped the model's frame or broke it before every GEMM (issue 22).
 
 A token-routing MoE (``nonzero()`` in the expert loop) makes Dynamo skip the
-whole frame: the model runs in fp32 and the backend is never called.  amp_fx
+whole frame: the model runs eagerly and the backend is never called (amp_fx's
+eager mode still decides its ops: issue 40, so they run as under autocast).  amp_fx
 then warns once (``amp_fx.NothingConvertedWarning``) with Dynamo's reason and
 hint, and ``amp_fx.last_report()`` says "nothing converted" instead of
 returning None.  Models that convert, and functions with no GEMM that Dynamo
@@ -121,14 +122,16 @@ def test_moe_frame_skipped_by_dynamo_warns_once_with_the_reason_and_the_fix(caps
     out, caught = _run(model, x, times=2)
     assert len(caught) == 1  # two calls, one warning
     message = str(caught[0].message)
-    assert "amp_fx converted nothing" in message and "ran in fp32" in message
+    assert "amp_fx converted nothing" in message and "ran eagerly, uncompiled: its ops got amp_fx's eager decisions" in message
     assert "Dynamo skipped forward" in message and "nonzero" in message  # the frame and Dynamo's reason
     assert "capture_dynamic_output_shape_ops = True" in message  # Dynamo's hint: the fix test_documented_fix... checks
     assert "torch._dynamo.explain(model)" in message and "amp_fx.convert(model" in message
     assert caught[0].filename == __file__  # points at the call of the compiled model, not into torch
-    # The frame ran eagerly in fp32: the same kernels as the model itself, so equal bit for bit, gradients too.
+    # The frame ran eagerly with amp_fx's decisions: the GEMMs' inputs cast to bf16 as autocast casts them, the same
+    # kernels, so equal bit for bit to autocast, gradients too.
     reference_x = x.detach().clone().requires_grad_(True)
-    reference = model(reference_x)
+    with torch.autocast("cpu", torch.bfloat16):
+        reference = model(reference_x)
     assert torch.equal(out, reference)
     out.square().sum().backward()
     expert_grad = model.experts[0].weight.grad.clone()
@@ -203,8 +206,8 @@ def test_every_graph_breaking_before_its_gemm_warns_naming_the_break():
     report = amp_fx.last_report()
     assert report.nothing_converted and len(report) == 2 and report.count("low") == 0
     assert report.breaks[0].kind == "graph break" and report.breaks[0].at is not None
-    # fp32 relu/sigmoid in the graphs are eager's kernels, and the GEMM ran eagerly: equal bit for bit.
-    assert torch.equal(out, model(x))
+    # The GEMM ran eagerly with amp_fx's decisions (bf16), as autocast runs it.
+    assert amp_fx.coverage(torch.compile(model, backend=amp_fx.backend(level="O1", inner="aot_eager")), x).low_share == 1.0
 
 
 def test_graph_breaks_before_a_gemm_that_converts_later_are_no_false_alarm(capsys):
@@ -222,8 +225,8 @@ def test_skipped_frame_whose_expert_classes_convert_is_no_false_alarm():
     assert caught == []
     report = amp_fx.last_report()
     assert not report.nothing_converted and report.count("low") >= 2  # up and down of the experts
-    assert [b.kind for b in report.breaks] == ["frame skipped"]  # still listed: the router ran in fp32
-    assert "eager (fp32): Dynamo skipped forward" in str(report)
+    assert [b.kind for b in report.breaks] == ["frame skipped"]  # still listed: the router ran eagerly
+    assert "eager, amp_fx's eager decisions: Dynamo skipped forward" in str(report)
 
 
 def test_fullgraph_raises_instead_and_does_not_warn():
@@ -237,7 +240,7 @@ def test_fullgraph_raises_instead_and_does_not_warn():
 
 
 def test_suppressed_backend_failure_runs_eagerly_and_is_said():
-    """suppress_errors=True turns an inner backend's failure into an eager fp32 run: a warning, and no graph reported."""
+    """suppress_errors=True turns an inner backend's failure into an eager run: a warning, and no graph reported."""
 
     def failing_inner(gm, example_inputs):
         raise ZeroDivisionError("the inner backend failed")
@@ -249,7 +252,8 @@ def test_suppressed_backend_failure_runs_eagerly_and_is_said():
     report = amp_fx.last_report()
     assert report.nothing_converted and len(report) == 0  # the converted graph never ran: not listed
     assert [b.kind for b in report.breaks] == ["compile failed"]
-    assert torch.equal(out, model(x))  # eager fp32, the model's own kernels
+    with torch.autocast("cpu", torch.bfloat16):
+        assert torch.equal(out, model(x))  # eager, amp_fx's eager decisions: autocast's casts and kernels
 
 
 def test_backend_by_name_warns_in_a_fresh_process():

@@ -1,7 +1,7 @@
-"""Past Dynamo's recompile limit a frame runs in fp32: the amp_fx backend warns, naming the fixes (issue 36, item 6).
+"""Past Dynamo's recompile limit a frame runs eagerly: the amp_fx backend warns, naming the fixes (issue 36, item 6).
 
 Dynamo checks the limit before any backend or compile callback runs and says so in one log line only; the
-frame then runs eagerly, unconverted.  The tests set the limit to 1 (restored by config.patch), so the second
+frame then runs eagerly, uncompiled, with amp_fx's eager decisions (issue 40).  The tests set the limit to 1 (restored by config.patch), so the second
 input shape is one compile too many.
 """
 
@@ -31,7 +31,7 @@ def _inputs():
     return torch.randn(4, 8), torch.randn(6, 8)
 
 
-def test_a_frame_past_the_recompile_limit_warns_and_runs_fp32():
+def test_a_frame_past_the_recompile_limit_warns_and_runs_eagerly_with_decisions():
     model = _model()
     compiled = _compiled(model, dynamic=False)  # each new batch size is a recompile
     first, second = _inputs()
@@ -45,11 +45,14 @@ def test_a_frame_past_the_recompile_limit_warns_and_runs_fp32():
     text = str(limits[0].message)
     for fix in ("torch._dynamo.config.recompile_limit", "cache_size_limit", "dynamic=True", "mark_dynamic"):
         assert fix in text, (fix, text)
-    assert "fp32" in text and "forward" in text
+    assert "runs eagerly, uncompiled" in text and "forward" in text
     assert limits[0].filename == __file__  # pointed at the call of the compiled model
     assert issubclass(RecompileLimitWarning, amp_fx.AmpWarning)
     with torch.no_grad():
-        assert torch.equal(fallen_back, model(second))  # what the warning says: the plain fp32 model ran
+        with torch.autocast("cpu", torch.bfloat16):
+            # What the warning says: the frame ran eagerly, its GEMMs low as the tables (and autocast) decide.
+            assert torch.equal(fallen_back, model(second))
+        assert amp_fx.coverage(compiled, second).low_share == 1.0
         reference = model(first)
     assert not torch.equal(converted, reference)  # the first call was converted (bf16 GEMMs)
     assert (converted - reference).abs().max() <= 2.0**-6 * reference.abs().max()
