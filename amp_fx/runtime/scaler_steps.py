@@ -114,6 +114,9 @@ class ScalerStepsMixin:
             found = check_and_unscale_(grads, inv_scale)
             if dist.is_available() and dist.is_initialized():  # only sharded (DTensor) grads need other ranks
                 found = reduce_over_ranks(found, grads)  # FSDP2: every rank agrees
+        mirror = getattr(masters, "_mirror_master_grads", None)
+        if callable(mirror):  # O2: the module's low gradients read true values too (clip model.parameters())
+            mirror(write=inv_scale != 1.0)
         if not self._scaling and state["stage"] is _Stage.UNSCALED:
             for dev, flag in state["found_inf"].items():  # a re-check keeps earlier verdicts
                 found[dev] = found[dev] + flag if dev in found else flag
