@@ -11,7 +11,7 @@ step::
         mw.zero_grad()
         scaler.scale(loss_fn(gm(x), y)).backward()
         scaler.unscale_(mw)                                   # optional: clip
-        torch.nn.utils.clip_grad_norm_(mw.master_parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(gm.parameters(), 1.0)  # or mw.master_parameters()
         scaler.step(mw)
         scaler.update()
 
@@ -20,6 +20,10 @@ How it cooperates with :class:`~amp_fx.runtime.LossScaler`: the scaler calls
 gradients, so it unscales the fp32 master grads (no fp16 underflow on unscale);
 ``step()`` syncs only if nobody did this iteration (so clipped master grads are
 not overwritten); on a skipped step the scaler calls ``_discard_synced_grads()``.
+After unscaling, the scaler calls ``_mirror_master_grads()``: the module's low
+gradients then hold the true values, and whatever is done to them before the
+step (a clip of ``gm.parameters()``) reaches the masters at the step
+(:mod:`amp_fx.runtime.grad_edits`).
 
 The masters' gradients are derived, never kept: every unscale or step copies
 them from the module's gradients, so zeroing the module's gradients in any way
@@ -184,7 +188,7 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
     # ------------------------------------------------ the optimizer's face
 
     def master_parameters(self) -> Iterator[torch.Tensor]:
-        """Yield the fp32 tensors the optimizer steps (clip these, not the module's)."""
+        """Yield the fp32 tensors the optimizer steps (clip these, or the module's after ``unscale_``)."""
         for group in self.param_groups:
             yield from group["params"]
 
