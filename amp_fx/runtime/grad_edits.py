@@ -13,7 +13,7 @@ means what it says:
 
   - an edit that scales a gradient uniformly (``clip_grad_norm_``'s ``mul_``, a user's ``div_``) scales
     the fp32 master gradient by the same factor, so the master keeps its fp32 digits. The factor is
-    estimated over all the edited gradients together (least squares: one factor for the whole clip),
+    estimated over all the edited gradients together (the ratio of the norms: one factor for the whole clip),
     else per gradient, and accepted where every element matches it within two roundings to the low
     dtype (what ``round(round(m) * c)`` can differ from ``m * c`` by);
   - any other edit (zeroing a slice, adding noise) replaces the master's gradient by the edited low one:
@@ -30,6 +30,7 @@ Nothing fp32 is kept per gradient: a mark is a weak reference and an int.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Iterable, Optional
 
@@ -89,9 +90,9 @@ def apply_edits(pairs: list[tuple[torch.Tensor, torch.Tensor]], marks: list[Mark
         grad = param.grad
         if grad is None:
             master.grad = None
-        elif mark is not None and grad is mark[0]() and master.grad is not None:
+        elif mark is not None and grad is mark[0]() and master.grad is not None and grad.dtype != master.dtype:
             scaled.append((grad, master.grad))
-        elif master.grad is None:
+        elif master.grad is None:  # (and a gradient as wide as its master's: copied, nothing is lost)
             master.grad = grad.detach().to(master.dtype)
         else:
             master.grad.copy_(grad)
@@ -100,30 +101,38 @@ def apply_edits(pairs: list[tuple[torch.Tensor, torch.Tensor]], marks: list[Mark
     return count
 
 
-def _matches(low: torch.Tensor, master: torch.Tensor, factor: torch.Tensor, size: float) -> torch.Tensor:
-    """Whether ``low`` is ``master * factor`` rounded twice to ``low``'s dtype (a 0-dim bool tensor).
+def _matches(low: torch.Tensor, master: torch.Tensor, factor: float) -> bool:
+    """Whether ``low`` is ``master * factor`` rounded twice to ``low``'s dtype, element by element.
 
-    ``size``: ``max(1, |factor|)``, how far the first rounding's subnormal error may have grown.
+    ``|low - c m| <= 2 eps |c m| + 2 s max(1, |c|)``, ``eps`` and the subnormal step ``s`` the low dtype's: each
+    rounding errs by half a step, the first on ``m`` (then scaled by ``c``), the second on the product.
+    In five passes over the gradient, two temporaries of its size (one at a time, not one per gradient).
     """
+    if not math.isfinite(factor):
+        return False
     info = torch.finfo(low.dtype)
     spacing = info.tiny * info.eps  # the smallest subnormal step of the low dtype
-    expected = master * factor
-    bound = expected.abs().mul_(2 * info.eps).add_(2 * spacing * size)
-    return (low.float() - expected).abs_().le_(bound).all()
+    excess = low.float().sub_(master, alpha=factor).abs_()
+    excess.sub_(master.abs(), alpha=2 * info.eps * abs(factor))
+    return bool(excess.max() <= 2 * spacing * max(1.0, abs(factor)))
 
 
 def _scale_or_copy(scaled: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    dots = [torch.dot(low.float().flatten(), master.flatten()) for low, master in scaled]
-    squares = [torch.dot(master.flatten(), master.flatten()) for _, master in scaled]
-    shared = torch.stack(dots).sum() / torch.stack(squares).sum()  # one factor for all: a clip's
-    size = max(1.0, abs(shared.item()))  # (nan: a comparison with it fails, so 1.0)
-    shared_ok = torch.stack([_matches(low, master, shared, size) for low, master in scaled]).tolist()
-    for (low, master), ok, dot, square in zip(scaled, shared_ok, dots, squares):
-        if ok:
+    """Scale each master by the factor its low gradient was scaled by, or copy the low gradient where none fits.
+
+    The factor is the ratio of the norms (the low gradient held the master's values, rounded, before the edit):
+    first one for all the edited gradients together (a clip scales them all alike), then each gradient's own.
+    """
+    lows = torch._foreach_norm([low for low, _ in scaled])
+    masters = torch._foreach_norm([master for _, master in scaled])
+    norms = torch.stack([torch.stack(lows).float(), torch.stack(masters)]).tolist()  # one host sync
+    shared = math.hypot(*norms[0]) / math.hypot(*norms[1]) if any(norms[1]) else math.nan
+    for (low, master), low_norm, master_norm in zip(scaled, *norms):
+        if _matches(low, master, shared):
             master.mul_(shared)
             continue
-        own = dot / square  # a gradient scaled by itself (nan where the master is all zeros: copied)
-        if bool(_matches(low, master, own, max(1.0, abs(own.item())))):
+        own = low_norm / master_norm if master_norm else math.nan  # a gradient scaled by itself
+        if _matches(low, master, own):
             master.mul_(own)
         else:
             master.copy_(low)
