@@ -38,7 +38,9 @@ The algorithm (on the final paint and its dtype analysis, before
    value is still the model's, exact in the wider dtype, and fp32's extreme
    in its place could overflow arithmetic the model kept in range.  An
    additive mask built in fp32 and added to bf16 scores promotes to fp32
-   (under autocast too) and keeps fp32's minimum.
+   (under autocast too) and keeps fp32's minimum.  A min/max a Dynamo graph
+   returns is read by the graph after the break, in a dtype unknown here: it
+   becomes the low member, exact in ``D`` too (``_escaping``).
 4. **Readers that disagree** (some read the value low, some in ``D``) get a
    copy of the constant's op (and the data movement on the way) holding the
    low member; the others keep the original.  An in-place op cannot be
@@ -223,7 +225,10 @@ class _Retargeter:
         carriers, readers = _readers(node, self.reading)
         groups: dict[Any, list[tuple[fx.Node, fx.Node]]] = {}
         for reader, value in readers:
-            rounded = self._escaping(source, member) if reader.op == "output" else self.reading.rounds_to(reader, source, via=value)
+            if reader.op == "output":
+                rounded = self._escaping(source, member)
+            else:
+                rounded = self.reading.rounds_to(reader, source, via=value)
             groups.setdefault(rounded, []).append((reader, value))
         unknown = groups.pop(UNKNOWN, None)
         if unknown:

@@ -1,5 +1,5 @@
-"""Longformer (transformers, sliding-window attention, eager; one layer here, two in the issue) trains through the amp_fx backend, after a failed
-conversion or not (issue 42).
+"""Longformer (transformers, sliding-window attention, eager; one layer here, two in the issue) trains through the
+amp_fx backend, after a failed conversion or not (issue 42).
 
 A conversion that failed used to leave torch.export's dimension marks on the example input, so the compile that
 followed traced the batch and sequence as symbols: 18-21 graphs instead of 4-6, and, with the padding to the
