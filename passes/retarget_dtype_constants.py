@@ -38,7 +38,9 @@ The algorithm (on the final paint and its dtype analysis, before
    value is still the model's, exact in the wider dtype, and fp32's extreme
    in its place could overflow arithmetic the model kept in range.  An
    additive mask built in fp32 and added to bf16 scores promotes to fp32
-   (under autocast too) and keeps fp32's minimum.
+   (under autocast too) and keeps fp32's minimum.  A min/max a Dynamo graph
+   returns is read by the graph after the break, in a dtype unknown here: it
+   becomes the low member, exact in ``D`` too (``_escaping``).
 4. **Readers that disagree** (some read the value low, some in ``D``) get a
    copy of the constant's op (and the data movement on the way) holding the
    low member; the others keep the original.  An in-place op cannot be
@@ -170,6 +172,7 @@ class _Retargeter:
     def __init__(self, gm: fx.GraphModule, ctx: PassContext):
         self.gm, self.graph = gm, gm.graph
         self.reading = _Reading(gm, ctx)
+        self.route = ctx.route
         self.lines: list[str] = []  # retargeted
         self.kept: list[str] = []  # left as they are: their dtype is known only at run time
         self.copies = 0
@@ -222,7 +225,10 @@ class _Retargeter:
         carriers, readers = _readers(node, self.reading)
         groups: dict[Any, list[tuple[fx.Node, fx.Node]]] = {}
         for reader, value in readers:
-            rounded = None if reader.op == "output" else self.reading.rounds_to(reader, source, via=value)
+            if reader.op == "output":
+                rounded = self._escaping(source, member)
+            else:
+                rounded = self.reading.rounds_to(reader, source, via=value)
             groups.setdefault(rounded, []).append((reader, value))
         unknown = groups.pop(UNKNOWN, None)
         if unknown:
@@ -246,6 +252,18 @@ class _Retargeter:
             write(copy, low)
             self._note(copy, source, member, low, f"for its {_name(low)} readers (a copy of {node.name})")
         return True
+
+    def _escaping(self, source: torch.dtype, member: str) -> Optional[torch.dtype]:
+        """The dtype a constant the graph returns is rounded to: the low one for a Dynamo graph's min/max, else none.
+
+        A Dynamo graph's output goes on to the graph after a break (a mask made in one graph, added to the
+        scores in the next), whose dtype is unknown here.  Read low there, finfo(D).min becomes -inf, and a
+        padded row's softmax NaN (Longformer, issue 42); the low member is exact in D too and as extreme for a
+        mask, so it is right either way.  eps and tiny mean other numbers in D: they are kept.
+        """
+        if self.route == "dynamo" and member in ("min", "max") and narrows(source, self.reading.low):
+            return self.reading.low
+        return None
 
     def _copy_for(self, start: fx.Node, carriers: list[fx.Node], readers: list[tuple[fx.Node, fx.Node]]) -> fx.Node:
         """Copy ``start`` and the carriers on the way to ``readers``; point those readers at the copies."""

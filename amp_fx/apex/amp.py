@@ -360,7 +360,10 @@ def load_state_dict(state: dict) -> None:
         scaler.load_state_dict(state[f"loss_scaler{index}"])
 
 
-def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
-    """Yield the tensors ``optimizer`` steps (fp32 masters at O2): clip these after ``scale_loss``."""
-    for group in optimizer.param_groups:
-        yield from group["params"]
+def master_params(optimizer: Any) -> list[torch.Tensor]:
+    """The tensors ``optimizer`` steps (fp32 masters at O2), as a list: a script may keep it and clip it every step.
+
+    Apex returned a generator, which a script that stores it once exhausts at the first clip. Clipping
+    ``model.parameters()`` after ``scale_loss`` works as well (at O2 the clip reaches the masters).
+    """
+    return [p for group in optimizer.param_groups for p in group["params"]]

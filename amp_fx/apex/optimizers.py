@@ -204,9 +204,9 @@ class OptimizerRecord:
                 torch._foreach_add_(add_to, add_from)
         self._stash = []
         if self.masters:
-            # The fp32 master grads now hold the whole unscaled sum; the module's low grads hold at
-            # most the last loss's scaled part (or nothing), so step() must not copy them over again.
-            self.optimizer._grads_synced = True
+            # The fp32 master grads now hold the whole unscaled sum; the module's low grads get it too (rounded),
+            # so that clip_grad_norm_(model.parameters()) after the block clips it, and step() copies only edits.
+            self.optimizer._mirror_master_grads()
             self._summed_epoch = self.optimizer._grad_epoch
 
     def has_new_grads(self) -> bool:

@@ -93,6 +93,11 @@ class Watches:
         self._items.append(watch)
         return watch
 
+    def __getstate__(self) -> dict:
+        # This process's compiles, held by weak references (which do not pickle): a backend saved with its
+        # compiled model (torch.save) is loaded watching nothing, as after reset().
+        return {"_items": []}
+
 
 @dataclasses.dataclass
 class _Compile:

@@ -31,6 +31,7 @@ backward the Function's, as on the symbolic route
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import warnings
@@ -150,6 +151,29 @@ def _bound(model: nn.Module, constants: Mapping[str, Any], tensors: Mapping[str,
     return bound
 
 
+@contextlib.contextmanager
+def _keeping_dynamo_marks(inputs: list) -> Any:
+    """Put back the Dynamo dimension marks export sets on its input tensors (the user's own, where contiguous).
+
+    torch.export marks every dynamic dimension on the example inputs (``_dynamo_weak_dynamic_indices``...) and
+    leaves the marks there, succeed or fail: a later ``torch.compile`` called with the same tensor then
+    traces those dimensions as symbols from its first call and captures other graphs (issue 42).
+    """
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    before = [{k: copy.copy(v) for k, v in vars(t).items() if k.startswith(_MARKS)} for t in tensors]
+    try:
+        yield
+    finally:
+        for tensor, marks in zip(tensors, before):
+            for key in [k for k in vars(tensor) if k.startswith(_MARKS)]:
+                delattr(tensor, key)
+            for key, value in marks.items():
+                setattr(tensor, key, value)
+
+
+_MARKS = ("_dynamo_", "_has_dynamo_")  # the prefixes of torch._dynamo.mark_dynamic's (and its kin's) attributes
+
+
 def export_module(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
                   dynamic_shapes: Any = None) -> tuple[fx.GraphModule, dict[str, Any], list[str]]:
     """Export ``model`` (non-strict) and return (the unlifted GraphModule, the constants bound, notes for the report).
@@ -173,7 +197,7 @@ def export_module(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
             shapes = {k: v for k, v in shapes.items() if k in tensors}
     try:
         # custom autograd Functions stay one node each, forward and backward theirs (amp_fx/frontend/export_functions.py)
-        with keeping_function_calls() as function_calls:
+        with keeping_function_calls() as function_calls, _keeping_dynamo_marks([*args, *tensors.values()]):
             exported = torch.export.export(bound, tuple(args), tensors, dynamic_shapes=shapes, strict=False)
     except Exception as error:  # a dynamic_shapes= the model contradicts is refused naming the dimensions
         export_shapes.refuse_constraint_violation(error, shapes, type(model).__name__)

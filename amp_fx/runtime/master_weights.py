@@ -11,7 +11,7 @@ step::
         mw.zero_grad()
         scaler.scale(loss_fn(gm(x), y)).backward()
         scaler.unscale_(mw)                                   # optional: clip
-        torch.nn.utils.clip_grad_norm_(mw.master_parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(gm.parameters(), 1.0)  # or mw.master_parameters()
         scaler.step(mw)
         scaler.update()
 
@@ -20,6 +20,10 @@ How it cooperates with :class:`~amp_fx.runtime.LossScaler`: the scaler calls
 gradients, so it unscales the fp32 master grads (no fp16 underflow on unscale);
 ``step()`` syncs only if nobody did this iteration (so clipped master grads are
 not overwritten); on a skipped step the scaler calls ``_discard_synced_grads()``.
+After unscaling, the scaler calls ``_mirror_master_grads()``: the module's low
+gradients then hold the true values, and whatever is done to them before the
+step (a clip of ``gm.parameters()``) reaches the masters at the step
+(:mod:`amp_fx.runtime.grad_edits`).
 
 The masters' gradients are derived, never kept: every unscale or step copies
 them from the module's gradients, so zeroing the module's gradients in any way
@@ -73,6 +77,7 @@ from amp_fx.graph_ops.master_sync import record, writers
 from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer, check_inner_optimizer
 
 from . import fp32_grad_accumulation as fp32_accum
+from . import grad_edits
 from .dtensors import is_dtensor, local_tensor, refuse_replaced_params
 from .master_copies import CopyGroup, group_pairs
 from .master_mapping import MasterMapping, check_fp32_accumulation, check_module
@@ -154,6 +159,8 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         self._added = 0
         self._init_face()
         self._grads_synced = False
+        # The low gradients as _mirror_master_grads() left them (grad_edits.mirror): edits until the step reach the masters.
+        self._grad_marks: list[grad_edits.Mark] | None = None
         self._map_parameters(module, masters)
 
         # Map everything first and swap last: a refused optimizer is left untouched.
@@ -181,7 +188,7 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
     # ------------------------------------------------ the optimizer's face
 
     def master_parameters(self) -> Iterator[torch.Tensor]:
-        """Yield the fp32 tensors the optimizer steps (clip these, not the module's)."""
+        """Yield the fp32 tensors the optimizer steps (clip these, or the module's after ``unscale_``)."""
         for group in self.param_groups:
             yield from group["params"]
 
@@ -247,9 +254,13 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         return self._groups
 
     def _sync_grads_to_masters(self) -> None:
-        """Copy the module's low-precision grads into fp32 master grads (once per iteration)."""
+        """Copy the module's low-precision grads into fp32 master grads (once per iteration; later: their edits)."""
         if self._grads_synced:
+            if self._grad_marks is not None:  # clipped (or otherwise edited) since unscale_: the masters follow
+                grad_edits.apply_edits(self._pairs, self._grad_marks)
+                self._grad_marks = None
             return
+        self._grad_marks = None
         if dist.is_available() and dist.is_initialized():
             # Only fully_shard (which needs a process group) replaces parameters; the
             # check walks every parameter's path, so single processes skip it.
@@ -276,6 +287,7 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         groups = self._copy_groups()
         if any(group.sharded for group in groups):
             return None
+        self._grad_marks = None
         found: dict[torch.device, torch.Tensor] = {}
         inverses: dict[torch.device, torch.Tensor] = {}
 
@@ -298,6 +310,20 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         checked = {m.grad.device for m in self.master_parameters() if m.grad is not None}
         self._grads_synced = True
         return {device: flag for device, flag in found.items() if device in checked}
+
+    def _mirror_master_grads(self, write: bool = True) -> None:
+        """Give the module's low gradients their masters' (unscaled, summed) values and watch them until the step.
+
+        What :class:`~amp_fx.runtime.LossScaler` calls after unscaling (``write`` False where the scale was 1:
+        the low gradients hold those values already) and ``amp_fx.scale_loss`` after its block: at O2,
+        ``clip_grad_norm_(model.parameters())`` then reads and clips true gradients, and
+        :mod:`~amp_fx.runtime.grad_edits` carries the clip over to the fp32 masters at the step.
+        fp32_grad_accumulation frees the low gradients and FSDP2 shards them: nothing is mirrored there.
+        """
+        self._grads_synced = True
+        if self._fp32_accum or any(group.sharded for group in self._copy_groups()):
+            return
+        self._grad_marks = grad_edits.mirror(self._pairs, write)
 
     def _discard_synced_grads(self) -> None:
         """Forget this iteration's sync (the scaler skipped the step; fp32_grad_accumulation: drop the sum too)."""

@@ -80,6 +80,10 @@ class ScalerStepsMixin:
         Optional before :meth:`step` (e.g. to clip). At most once per optimizer
         per iteration while scaling; with scaling off it only checks.
         """
+        self._unscale(optimizer, before_user_code=True)
+
+    def _unscale(self, optimizer: Any, before_user_code: bool) -> None:
+        """:meth:`unscale_`; ``before_user_code`` False where the step follows at once (nobody can clip in between)."""
         if not self._checks:
             return
         state = self._state(optimizer)
@@ -114,6 +118,9 @@ class ScalerStepsMixin:
             found = check_and_unscale_(grads, inv_scale)
             if dist.is_available() and dist.is_initialized():  # only sharded (DTensor) grads need other ranks
                 found = reduce_over_ranks(found, grads)  # FSDP2: every rank agrees
+        mirror = getattr(masters, "_mirror_master_grads", None)
+        if callable(mirror) and before_user_code:  # O2: the low gradients read true values too (clip model.parameters())
+            mirror(write=inv_scale != 1.0)
         if not self._scaling and state["stage"] is _Stage.UNSCALED:
             for dev, flag in state["found_inf"].items():  # a re-check keeps earlier verdicts
                 found[dev] = found[dev] + flag if dev in found else flag
@@ -176,7 +183,7 @@ class ScalerStepsMixin:
         if state["stage"] is _Stage.READY:
             if self._scaling:
                 self._require_scaled("step")
-            self.unscale_(optimizer)
+            self._unscale(optimizer, before_user_code=False)
         total = combined_found_inf(state["found_inf"])
         if total is None:
             if self._scaling:

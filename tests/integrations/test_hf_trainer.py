@@ -145,3 +145,21 @@ def test_predict_without_labels_runs_converted(level, tmp_path):
     # logit (2 to 4 bf16 ulps there). Measured 3.9e-3 (autocast vs fp32: 2.2e-3), bound 1.1e-2.
     # Logits equal to fp32's would mean the plain model ran.
     assert (logits - expected).abs().max() <= 2.0**-6 * full.abs().max() and not torch.equal(logits, full)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_o2_max_grad_norm_clips_the_update(dtype, tmp_path):
+    """max_grad_norm at O2 engages: one SGD step at lr 1 moves the fp32 masters by at most max_norm (one low
+    rounding), while the gradient norm the Trainer logs is far above it (issue 42)."""
+    max_norm = 1e-3
+    model = gpt2()
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = amp_fx.LossScaler(dtype=dtype) if dtype == torch.float16 else None
+    trainer = AmpFxTrainer(model=model, train_dataset=Tokens(8), amp_level="O2", amp_dtype=dtype, amp_scaler=scaler,
+                           args=arguments(tmp_path, max_steps=1, gradient_accumulation_steps=1, optim="sgd",
+                                          learning_rate=1.0, max_grad_norm=max_norm, lr_scheduler_type="constant"))
+    trainer.train()
+    grad_norm = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+    assert len(grad_norm) == 1 and grad_norm[0] > 100 * max_norm
+    update = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]).norm().item()
+    assert 0.99 * max_norm <= update <= max_norm * (1 + torch.finfo(dtype).eps)

@@ -372,3 +372,41 @@ def test_converting_twice_and_copies_change_nothing(idiom):
     again = amp_fx.convert(gm, "O2", dtype=torch.bfloat16, example_inputs=(x, keep))
     assert torch.equal(again(x, keep), out) and torch.equal(copy.deepcopy(gm)(x, keep), out)
     assert len(_retargets(str(gm.amp_report), torch.bfloat16)) == 1
+
+
+class _MaskAcrossABreak(nn.Module):
+    """Longformer's sliding-window mask in small: ``finfo(q.dtype).min`` filled in one Dynamo graph, read by a
+    GEMM of zero-padded ones (the diagonal of the mask) in the next one, then added to the scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x, pad):
+        q = self.q(x)
+        float_mask = pad.to(q.dtype).masked_fill(pad, torch.finfo(q.dtype).min)
+        torch._dynamo.graph_break()
+        ones = torch.cat([torch.ones_like(float_mask)[:, None], torch.zeros_like(float_mask)[:, None]], 1)
+        bias = ones @ torch.stack([float_mask, float_mask])  # 1 * min + 0 * min: NaN where min is -inf
+        return torch.softmax(q @ q.T + bias, -1) @ q
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
+def test_a_dynamo_graph_returns_the_low_extreme_to_the_graph_after_a_break(dtype, fresh_dynamo):
+    """A constant that leaves its Dynamo graph is read by the next one, maybe low: fp32's min rounded to -inf there
+    made the padded rows NaN (Longformer through 21 graphs, issue 42). It leaves as the low dtype's min, as
+    under autocast; outputs and gradients are finite and autocast's within the dtype's noise."""
+    torch.manual_seed(0)
+    model, x, pad = _MaskAcrossABreak(), torch.randn(6, 8), torch.tensor([False] * 4 + [True] * 2)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=amp_fx.backend(level="O1", dtype=dtype, inner="aot_eager"))
+    out = compiled(x, pad)
+    out.float().square().sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    with torch.autocast("cpu", dtype=dtype):
+        want = ref(x, pad)
+    want.float().square().sum().backward()
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    torch.testing.assert_close(out.float(), want.float(), rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).eps)
+    for got, expected in zip(grads, (p.grad for p in ref.parameters())):
+        torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05 * expected.abs().max().item())

@@ -1,0 +1,138 @@
+"""The O2 module's low-precision gradients between ``unscale_`` and ``step``: true values, and edits that reach the masters.
+
+Every training script clips ``model.parameters()`` after ``scaler.unscale_(optimizer)`` (and Apex-style
+scripts after the ``scale_loss`` block). At O2 those are the converted module's fp16/bf16 parameters,
+while the step reads the fp32 masters' gradients, which the unscale already copied. So that such a line
+means what it says:
+
+* :func:`mirror` writes each master's unscaled fp32 gradient back into its low gradient (rounded), so
+  norms, clipping and inspection read true values, and remembers each low gradient's identity and
+  version counter (no copy of its values);
+* :func:`apply_edits`, at the step, finds the low gradients whose version moved (an in-place edit), that
+  were replaced or set to None, and carries the edit over to the master:
+
+  - an edit that scales a gradient uniformly (``clip_grad_norm_``'s ``mul_``, a user's ``div_``) scales
+    the fp32 master gradient by the same factor, so the master keeps its fp32 digits. The factor is
+    estimated over all the edited gradients together (the ratio of the norms: one factor for the whole clip),
+    else per gradient, and accepted where every element matches it within two roundings to the low
+    dtype (what ``round(round(m) * c)`` can differ from ``m * c`` by);
+  - any other edit (zeroing a slice, adding noise) replaces the master's gradient by the edited low one:
+    the user touched it, and only its low-precision value exists;
+  - a gradient nobody touched keeps its master's fp32 gradient as it is.
+
+What is exact and what is rounding: an untouched gradient is exact (fp32). A uniformly scaled one is
+``m * c`` in fp32 with ``c`` estimated from the rounded low values; torch computes the clip factor itself
+from the low gradients' norm, which is rounded to the low dtype, so a clip's ``c`` differs from the fp32
+recipe's by about one rounding of the low dtype (2**-8 bf16, 2**-11 fp16), whatever is done here.
+
+Nothing fp32 is kept per gradient: a mark is a weak reference and an int.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Iterable, Optional
+
+import torch
+
+__all__ = ["Mark", "mirror", "apply_edits"]
+
+# (the low gradient, its version counter right after mirror()); None: the master had no gradient.
+Mark = Optional[tuple["weakref.ReferenceType[torch.Tensor]", int]]
+
+
+@torch.no_grad()
+def mirror(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], write: bool) -> list[Mark]:
+    """Give each low parameter its master's gradient (rounded) where ``write``, and mark every low gradient.
+
+    ``write=False`` only marks: the low gradients hold their masters' values already (copied, not scaled).
+    A master without a gradient leaves its parameter's gradient None.
+    """
+    marks: list[Mark] = []
+    dst, src = [], []
+    for param, master in pairs:
+        if master.grad is None:
+            if write:
+                param.grad = None
+            marks.append(None)
+            continue
+        if write:
+            if param.grad is None:
+                param.grad = torch.empty_like(param)
+            dst.append(param.grad)
+            src.append(master.grad)
+        marks.append(param)  # (replaced by its gradient's mark below, after the copies)
+    if dst:
+        torch._foreach_copy_(dst, src)
+    return [None if m is None else (weakref.ref(m.grad), m.grad._version) for m in marks]
+
+
+def _edited(param: torch.Tensor, mark: Mark) -> bool:
+    grad = param.grad
+    if mark is None:
+        return grad is not None
+    return grad is None or grad is not mark[0]() or grad._version != mark[1]
+
+
+@torch.no_grad()
+def apply_edits(pairs: list[tuple[torch.Tensor, torch.Tensor]], marks: list[Mark]) -> int:
+    """Carry every edit made to the low gradients since :func:`mirror` over to the masters (module docstring).
+
+    Returns how many gradients were edited (one host sync when any was edited in place).
+    """
+    scaled = []  # (low grad, master grad): edited in place, maybe a uniform scale
+    count = 0
+    for (param, master), mark in zip(pairs, marks):
+        if not _edited(param, mark):
+            continue
+        count += 1
+        grad = param.grad
+        if grad is None:
+            master.grad = None
+        elif mark is not None and grad is mark[0]() and master.grad is not None and grad.dtype != master.dtype:
+            scaled.append((grad, master.grad))
+        elif master.grad is None:  # (and a gradient as wide as its master's: copied, nothing is lost)
+            master.grad = grad.detach().to(master.dtype)
+        else:
+            master.grad.copy_(grad)
+    if scaled:
+        _scale_or_copy(scaled)
+    return count
+
+
+def _matches(low: torch.Tensor, master: torch.Tensor, factor: float) -> bool:
+    """Whether ``low`` is ``master * factor`` rounded twice to ``low``'s dtype, element by element.
+
+    ``|low - c m| <= 2 eps |c m| + 2 s max(1, |c|)``, ``eps`` and the subnormal step ``s`` the low dtype's: each
+    rounding errs by half a step, the first on ``m`` (then scaled by ``c``), the second on the product.
+    In five passes over the gradient, two temporaries of its size (one at a time, not one per gradient).
+    """
+    if not math.isfinite(factor):
+        return False
+    info = torch.finfo(low.dtype)
+    spacing = info.tiny * info.eps  # the smallest subnormal step of the low dtype
+    excess = low.float().sub_(master, alpha=factor).abs_()
+    excess.sub_(master.abs(), alpha=2 * info.eps * abs(factor))
+    return bool(excess.max() <= 2 * spacing * max(1.0, abs(factor)))
+
+
+def _scale_or_copy(scaled: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Scale each master by the factor its low gradient was scaled by, or copy the low gradient where none fits.
+
+    The factor is the ratio of the norms (the low gradient held the master's values, rounded, before the edit):
+    first one for all the edited gradients together (a clip scales them all alike), then each gradient's own.
+    """
+    lows = torch._foreach_norm([low for low, _ in scaled])
+    masters = torch._foreach_norm([master for _, master in scaled])
+    norms = torch.stack([torch.stack(lows).float(), torch.stack(masters)]).tolist()  # one host sync
+    shared = math.hypot(*norms[0]) / math.hypot(*norms[1]) if any(norms[1]) else math.nan
+    for (low, master), low_norm, master_norm in zip(scaled, *norms):
+        if _matches(low, master, shared):
+            master.mul_(shared)
+            continue
+        own = low_norm / master_norm if master_norm else math.nan  # a gradient scaled by itself
+        if _matches(low, master, own):
+            master.mul_(own)
+        else:
+            master.copy_(low)
