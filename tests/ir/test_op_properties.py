@@ -185,11 +185,11 @@ def test_the_registry_is_consistent_with_the_tables_and_itself():
         props = op_properties.of(op)
         assert props.backward in op_properties.BACKWARD_KINDS
         # fp8: the GEMMs verified bit for bit against torchao (tests/fp8/test_fp8_torchao.py)
-        assert props.fp8 is (op in ("linear", "matmul", "mm", "addmm")) and (not props.fp8 or props.gemm_args is not None), op
+        assert props.fp8 is (op in ("linear", "matmul", "mm", "addmm")) and (not props.fp8 or props.gemm is not None), op
         assert not props.cast_hoistable or (props.exact_under_rounding and props.data_movement), op
         assert not props.view or props.may_alias, op
         assert not props.native_promotion or props.either_precision, op
-        assert props.gemm_args is None or props.table == "low", op
+        assert props.gemm is None or props.table == "low", op
     assert set(op_properties.NAMED_CASTS) < op_properties.CAST_OPS and all(op_properties.of(c).may_alias for c in op_properties.CAST_OPS)
     assert {op for op in tables.NORM_OPS if op_properties.of(op).norm == "statistics"} == {"layer_norm", "group_norm", "rms_norm"}
     assert {op for op in tables.NORM_OPS if op_properties.of(op).norm == "input_dtype"} == {"batch_norm", "instance_norm"}
