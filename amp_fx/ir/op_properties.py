@@ -351,7 +351,10 @@ _TORCH_NAMESPACES = ("aten", "prim", "prims", "quantized", "_quant")
 
 
 class RegisteredOp:
-    """What :func:`register_op` returns: ``remove()`` takes the row out again (tests; a library reloading)."""
+    """What :func:`register_op` returns: ``remove()`` takes the row out again (tests; a library reloading).
+
+    A shipped row that ``replace=True`` replaced is not restored: the op becomes unknown.
+    """
 
     def __init__(self, op: str):
         self.op = op
