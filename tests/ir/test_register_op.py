@@ -145,3 +145,15 @@ def test_a_wrong_registration_is_refused_naming_the_fix(kwargs, error):
     with pytest.raises(amp_fx.AmpValueError, match=error.replace("(", r"\(").replace(")", r"\)")):
         amp_fx.register_op(args.pop("op"), **args)
     assert op_properties.of(OP).table == "unknown"
+
+
+def test_a_policy_may_name_a_registered_op_torch_has_not_loaded():
+    """A policy rule for a registered op is no misspelling, even before its library registers it with torch."""
+    rules = {"op:amp_fx_test::later_gemm": "fp32"}
+    with pytest.raises(amp_fx.AmpValueError, match="no amp_fx table decides"):
+        amp_fx.Policy.from_dict(rules)  # its namespace has ops loaded, this one is in none: a misspelling
+    handle = amp_fx.register_op("amp_fx_test::later_gemm", table="low", reason="GEMM: loaded later")
+    try:
+        amp_fx.Policy.from_dict(rules).check_op_names([], [])
+    finally:
+        handle.remove()
