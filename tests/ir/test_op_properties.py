@@ -195,6 +195,11 @@ def test_the_registry_is_consistent_with_the_tables_and_itself():
     assert {op for op in tables.NORM_OPS if op_properties.of(op).norm == "input_dtype"} == {"batch_norm", "instance_norm"}
     assert all(op_properties.of(op).weight_bias_args for op in op_properties.FUSED_FORMS)
     assert op_properties.of("module_hook_enter").hook == "boundary" and op_properties.of("module_hook_value").hook == "value"
+    # The dtype-only analysis reads float_result: a low or fp32 op makes a float (linear, softmax of integer-free
+    # input), except the reductions that keep an integer input's dtype (sum of an int tensor is int); follow ops do not.
+    float_result = {op: op_properties.of(op).float_result for op in ("linear", "softmax", "exp", "sum", "cumsum", "pow", "add", "relu")}
+    assert float_result == {"linear": True, "softmax": True, "exp": True, "sum": False, "cumsum": False, "pow": False,
+                            "add": False, "relu": False}
     unknown = op_properties.of("pkg.blocks.Attention")
     assert unknown.table == "unknown" and not unknown.exact_under_rounding and unknown == op_properties.OpProperties("pkg.blocks.Attention")
 
