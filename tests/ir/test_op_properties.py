@@ -200,6 +200,9 @@ def test_the_registry_is_consistent_with_the_tables_and_itself():
     float_result = {op: op_properties.of(op).float_result for op in ("linear", "softmax", "exp", "sum", "cumsum", "pow", "add", "relu")}
     assert float_result == {"linear": True, "softmax": True, "exp": True, "sum": False, "cumsum": False, "pow": False,
                             "add": False, "relu": False}
+    # Data movement keeps its first input's dtype, except where an index tensor comes first (F.embedding, one_hot).
+    keeps = {op: op_properties.of(op).keeps_first_dtype for op in ("view", "transpose", "getitem", "embedding", "one_hot", "add")}
+    assert keeps == {"view": True, "transpose": True, "getitem": True, "embedding": False, "one_hot": False, "add": False}
     unknown = op_properties.of("pkg.blocks.Attention")
     assert unknown.table == "unknown" and not unknown.exact_under_rounding and unknown == op_properties.OpProperties("pkg.blocks.Attention")
 
