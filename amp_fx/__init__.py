@@ -51,6 +51,10 @@ _LAZY = {
     "track_fp8": ".inspection.fp8_view",
     "explain": ".inspection.explain",
     "Fp8NothingConvertedWarning": ".ir.fp8_rules",
+    # a library's custom op, its whole row in one call (docs/design.md, "Adding an op")
+    "register_op": ".ir.op_properties",
+    "GemmSig": ".ir.op_properties",
+    "FusedForm": ".ir.op_properties",
     # cache_casts=True: drop cached weight casts after a write through p.data
     "clear_cast_cache": ".graph_ops.cast_cache",
     # errors and warnings docs/refusals.md and docs/training.md name as amp_fx.X

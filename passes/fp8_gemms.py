@@ -6,8 +6,8 @@ fp8 is a decision like ``low``: a GEMM that may (``can_fp8``) and should
 forward, grad_output e5m2 backward, per the recipe of
 :class:`amp_fx.ir.fp8_rules.Fp8Config`).  ``passes/paint_fp8.py`` has already
 painted a policy's ``"fp8"`` nodes low, so casts, their placement and the dtype
-analysis saw plain low GEMMs.  Here, for every ``linear`` /
-   ``matmul`` / ``mm`` / ``addmm`` the policy decides first (``"fp8"`` forces a legal GEMM,
+analysis saw plain low GEMMs.  Here, for every GEMM whose registry row says fp8
+   (``linear``, ``matmul``, ``mm``, ``addmm``, registered custom GEMMs) the policy decides first (``"fp8"`` forces a legal GEMM,
    any other decision keeps it out), then ``can_fp8`` and ``should_fp8``.  An fp8
    GEMM reads its activation and weight in their own precision -- the casts to
    the low dtype that ``insert_casts`` wrote for it are bypassed (and dropped
@@ -120,7 +120,7 @@ def _with_weight_sizes(gemm: Gemm) -> Gemm:
     ``find_gemm`` needs both operands' shapes for a ``matmul`` / ``mm`` / ``addmm``; without
     example inputs only the parameter's is known, and it alone fixes K and N (``x @ W``: W is K x N).
     """
-    if gemm.op in ("matmul", "mm", "addmm") and gemm.K is None and _is_weight(gemm.weight):
+    if gemm.layout == "KN" and gemm.K is None and _is_weight(gemm.weight):
         gemm.K, gemm.N = meta.shape(gemm.weight)
     return gemm
 
@@ -137,10 +137,11 @@ def _decide(gemm: Gemm, ctx: PassContext, choice: Optional[Choice]) -> tuple[Opt
     node = gemm.node
     rule = _policy_decision(node, ctx)
     act_shape = meta.shape(gemm.act)
-    scaled = gemm.op == "addmm" and any(node.kwargs.get(k, 1) != 1 for k in ("alpha", "beta"))
+    sig = op_properties.of(gemm.op).gemm
+    scaled = gemm.extra_args or any(node.kwargs.get(k, 1) != 1 for k in sig.unit_scalars)
     legal, why = can_fp8(gemm.op, decision=meta.DECISION.get(node), K=gemm.K, N=gemm.N,
                          act_dims=None if act_shape is None else len(act_shape), weight_is_param=_is_weight(gemm.weight),
-                         scaled=scaled or len(node.args) > 3)
+                         scaled=scaled)
     config = ctx.config.fp8
     if _asks_fp8(rule):
         if not legal:
@@ -237,7 +238,7 @@ def _rewrite(gm: fx.GraphModule, gemm: Gemm, config: Fp8Config, why: str, ctx: P
         # Known before the first call: a sync of amaxes loaded from a checkpoint needs the recipe's margin.
         getattr(gm, STATE_ROOT).get_submodule(name).spec = spec
     operands = [gemm.act, gemm.weight]
-    node.target = fp8_linear if gemm.op == "linear" else fp8_matmul
+    node.target = fp8_linear if gemm.layout == "NK" else fp8_matmul  # x @ W.T, or x @ W
     node.args, node.kwargs = (_high_precision(gemm.act), weight, spec, state_node), {}
     meta.OP.set(node, node.target.__name__)
     meta.DECISION.set(node, "fp8")

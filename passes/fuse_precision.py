@@ -54,7 +54,6 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from amp_fx.ir import meta, op_properties
 from amp_fx.graph_ops.fused_norms import layer_norm_fp32_stats
@@ -69,10 +68,9 @@ _LOW = (torch.bfloat16, torch.float16)
 FUSED_FORMS = op_properties.FUSED_FORMS
 _AFFINE_LAYER_NORM = "layer_norm with fp32 statistics and fp32 weight/bias gradients"
 _PLAIN_LAYER_NORM = "layer_norm without weight and bias, with fp32 statistics and an fp32 backward"
-# Call forms of an affine layer_norm that can run as layer_norm_fp32_stats (F.layer_norm's signature;
-# torch.layer_norm's extra cudnn_enable is dropped).  Reverted, a node goes back to torch.layer_norm,
+# The call forms of layer_norm that can run as layer_norm_fp32_stats are its fused form's ``calls`` (F.layer_norm's
+# signature; torch.layer_norm's extra cudnn_enable is dropped).  Reverted, a node goes back to torch.layer_norm,
 # which takes every call either spelling can make.
-_LAYER_NORM_CALLS = (F.layer_norm, torch.layer_norm, layer_norm_fp32_stats)
 
 
 def _device_types(gm: fx.GraphModule, node: fx.Node) -> set[str]:
@@ -129,8 +127,9 @@ def _has_affine(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 
 def _retargetable(node: fx.Node) -> bool:
-    """An affine layer_norm call that :func:`layer_norm_fp32_stats` can run in its place."""
-    return node.op == "call_function" and node.target in _LAYER_NORM_CALLS
+    """A call whose fused form points it at a precise function (layer_norm's at :func:`layer_norm_fp32_stats`)."""
+    form = op_properties.of(node.meta.get(meta.OP)).fused_form
+    return form is not None and form.retarget is not None and node.op == "call_function" and node.target in form.calls
 
 
 def _retarget(node: fx.Node, fused: bool) -> bool:
@@ -163,14 +162,12 @@ def _fusable(gm: fx.GraphModule, node: fx.Node, ctx: PassContext, values: dict) 
         return None
     if not _weights_fp32(gm, node, first, values) or not node.users:
         return None
-    if op == "layer_norm":
+    if low not in form.dtypes:
+        return None  # layer_norm's fp16 form differs from the cast form (op_properties: FUSED_FORMS)
+    if form.retarget is not None:
         if not _retargetable(node):
             return None  # a leaf module or an aten form: CPU's own mixed backward would round dx, dw, db low
-        if low != torch.bfloat16:
-            # fp16: CPU's mixed forward differs from the cast form in ~1e-4 of the outputs (1 ulp),
-            # and a 200-step fp16 run drifted 1.7% from autocast (0.15% with the cast form); bf16 is bitwise.
-            return None
-    elif not _has_affine(gm, node):
+    elif form.affine_only and not _has_affine(gm, node):
         # Without weight and bias CPU's mixed backward computes the input gradient in the low dtype:
         # 1.5x the cast form's error against fp64 (group_norm, bf16).
         return None
@@ -234,7 +231,7 @@ def fuse_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     retargeted = False
     for node in graph.nodes:
         low = _fusable(gm, node, ctx, values) if enabled else None
-        precise_layer_norm = node.meta.get(meta.OP) == "layer_norm" and _retargetable(node)
+        precise_layer_norm = _retargetable(node)
         if precise_layer_norm:
             retargeted |= _retarget(node, low is not None)
         if low is None:

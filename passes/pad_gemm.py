@@ -3,7 +3,9 @@
 fp16/bf16 tensor cores want the inner (K) and output (N) dimensions of a
 GEMM in multiples of 8 elements (16 bytes); a vocabulary of 50257 or a
 13-channel convolution falls back to slower kernels.  For every low-precision
-``linear``, ``matmul``/``mm``/``bmm``, ``addmm``/``baddbmm`` and convolution:
+GEMM the op registry gives a signature (``linear``, ``matmul``/``mm``/``bmm``,
+``addmm``/``baddbmm``, convolutions, and custom ops ``amp_fx.register_op`` gave
+``gemm=``), whose weight layout says where K and N are:
 
 1. ``can_pad`` (legal): the GEMM runs in the low dtype, its K and N are
    static, it is not a leaf module, grouped or transposed convolution, and K
@@ -106,6 +108,8 @@ class Gemm:
     act: Any  # the activation (mat1) operand
     weight: Any  # the K x N operand (mat2 / weight)
     bias: Any = None
+    layout: str = "KN"  # the weight's layout (op_properties.GemmSig.weight_layout): "KN", "NK" or "conv"
+    extra_args: bool = False  # it reads arguments besides activation, weight and bias (fp8 cannot drop them)
     M: Optional[int] = None
     K: Optional[int] = None
     N: Optional[int] = None
@@ -125,23 +129,21 @@ def _arg(node: fx.Node, index: int, name: str) -> Any:
 def find_gemm(node: fx.Node) -> Optional[Gemm]:
     """The :class:`Gemm` view of ``node``, or None when it is no GEMM this pass knows."""
     op = meta.OP.get(node)
-    names = op_properties.of(op).gemm_args  # names of (activation, weight, bias) arguments, in positional order
-    if names is None or node.op not in ("call_function", "call_method"):
+    sig = op_properties.of(op).gemm  # where its activation, weight and bias are, and the weight's layout
+    if sig is None or node.op not in ("call_function", "call_method"):
         return None
-    values = [_arg(node, i, name) for i, name in enumerate(names)]
-    if op in ("addmm", "baddbmm"):
-        bias, act, weight = values
-    else:
-        act, weight, bias = (values + [None])[:3]
-    gemm = Gemm(node, op, act, weight, bias)
+    act, weight, bias = (None if pos is None else _arg(node, pos, name) for pos, name in sig.operands())
+    known = {name for _, name in sig.operands()} | set(sig.unit_scalars)
+    extra = len(node.args) > sig.arity or any(key not in known for key in node.kwargs)
+    gemm = Gemm(node, op, act, weight, bias, layout=sig.weight_layout, extra_args=extra)
     a_shape, w_shape = _shape(act), _shape(weight)
-    if op == "linear":
+    if sig.weight_layout == "NK":
         if w_shape is not None and len(w_shape) == 2:
             gemm.N, gemm.K = w_shape
             gemm.k_dims, gemm.n_dims = (-1, -1), (-2, -1)
-    elif op.startswith("conv"):
-        groups = _arg(node, 8, "groups") if op == "convolution" else _arg(node, 6, "groups")
-        transposed = op == "convolution" and bool(_arg(node, 6, "transposed"))
+    elif sig.weight_layout == "conv":
+        groups = None if sig.groups is None else _arg(node, sig.groups, "groups")
+        transposed = sig.transposed is not None and bool(_arg(node, sig.transposed, "transposed"))
         gemm.grouped = (groups not in (None, 1)) or transposed
         if w_shape is not None and len(w_shape) >= 3:
             gemm.N, gemm.K = w_shape[0], w_shape[1]
@@ -152,7 +154,7 @@ def find_gemm(node: fx.Node) -> Optional[Gemm]:
         gemm.k_dims, gemm.n_dims = (-1, -2), (-1, -1)
     if a_shape is not None and isinstance(gemm.K, int) and all(isinstance(size, int) for size in a_shape):
         gemm.M = math.prod(a_shape) // (a_shape[gemm.k_dims[0]] or 1)
-        if op.startswith("conv"):
+        if sig.weight_layout == "conv":
             gemm.M = None  # rows of an implicit GEMM depend on the output's spatial size
     return gemm
 
@@ -171,7 +173,7 @@ def can_pad(gemm: Gemm, low: torch.dtype, alignment: int) -> tuple[bool, str]:
         return False, "operands are not distinct tensors"
     if not isinstance(gemm.K, int) or not isinstance(gemm.N, int) or gemm.K <= 0 or gemm.N <= 0:
         return False, "K or N not static"
-    if gemm.op in ("addmm", "baddbmm") and gemm.N % alignment and not _shape(gemm.bias):
+    if gemm.bias is not None and gemm.N % alignment and not _shape(gemm.bias):
         return False, "bias shape unknown"
     if gemm.K % alignment == 0 and gemm.N % alignment == 0:
         return False, "aligned"

@@ -113,3 +113,13 @@ def test_every_relative_link_in_the_readme_and_docs_names_a_file_that_exists():
                 dead.append(f"{page.relative_to(README.parent)} -> {target}")
     assert len(pages) > 10
     assert not dead, dead
+
+
+def test_ci_runs_the_readme_test_command_printing_the_slowest_tests():
+    """.ci/run installs and tests as the README's second command says, plus --durations=25 (issue 43)."""
+    readme_command = re.findall(r"```bash\n(.*?)\n```", README.read_text(), flags=re.S)[1]
+    steps = [step.strip() for step in readme_command.split("&&")]
+    ci_lines = [line.strip() for line in (README.parent / ".ci" / "run").read_text().splitlines() if line.startswith("python")]
+    assert len(steps) == len(ci_lines) == 3, (steps, ci_lines)
+    assert [line.replace(" -q ", " ", 1) if "pip install" in line else line for line in ci_lines] == \
+        steps[:2] + [steps[2] + " --durations=25"]

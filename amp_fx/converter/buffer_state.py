@@ -26,9 +26,8 @@ place are updated on the model too:
   (batch norm updated its statistics) is copied into the model's tensor, by
   a forward hook on the converted module.  By value, not by version
   counter: batch norm's kernels update their statistics without bumping
-  it.  Eval-mode forwards check nothing.  Measured (one CPU thread, 20
-  Conv+BatchNorm2d(64) blocks at O3, 40 low statistics): 0.12 ms per
-  training forward of 25 ms, 6 us in eval.  Copying after each forward was
+  it.  Eval-mode forwards check nothing (its time: docs/performance.md,
+  "Costs of the run-time checks").  Copying after each forward was
   chosen over syncing lazily because a user reads the model's tensors
   directly (``model.bn.running_mean``), and nothing else would run first.
 

@@ -14,8 +14,9 @@ caller's tensor is put back afterwards.  The cast is differentiable: the
 gradient reaches the caller's fp32 tensor as the low gradient upcast (what
 O2's master gradients are).  A tensor of the low dtype is used as it is.
 
-Cost per call: one dict read and dtype check per low tensor (about
-0.1 us each); nothing at O0/O1, which keep the model's dtypes.
+Cost per call: one dict read and dtype check per low tensor (its time:
+docs/performance.md, "Costs of the run-time checks"); nothing at O0/O1, which
+keep the model's dtypes.
 """
 
 from __future__ import annotations

@@ -48,9 +48,9 @@ runtime registers its wrapper types here.
 Cost: a passed optimizer is remembered (weakly) with the identities of its
 groups' parameter lists, so each later step is one dictionary lookup; a new
 group (``add_param_group``) or a replaced parameter list is checked again at
-the next step. A refused optimizer is refused at every step. Measured (CPU,
-torch 2.13): about 1 us per later step, 0.4 ms for the first check of 1000
-parameters; none at all before the first O2 module is built.
+the next step. A refused optimizer is refused at every step. Nothing runs
+before the first O2 module is built (its time: docs/performance.md, "Costs of
+the run-time checks").
 """
 
 from __future__ import annotations

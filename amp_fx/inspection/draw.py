@@ -1,4 +1,4 @@
-"""Draw a converted graph coloured by precision: Graphviz where installed, a built-in layout otherwise.
+"""Draw a converted graph coloured by precision: Graphviz where installed, networkx's layered layout otherwise.
 
 Colours: green runs low, blue runs fp32, orange is a cast, grey follows its
 input (its border says which dtype arrived); inputs, parameters and the
@@ -6,7 +6,8 @@ output are white.  Labels carry the node, its op, its module path, and its
 dtype and shape; hovering a node shows the decision's reason and source line.
 
 ``draw(converted, "graph.svg")`` uses Graphviz ``dot`` when it is on PATH and
-the built-in layered layout (inline SVG, no dependency) when it is not, so a
+a layered layout from networkx (``topological_generations``, ``multipartite_layout``;
+inline SVG) when it is not, so a
 file is always written; ``.html`` wraps the picture with a legend (and an
 optional summary), ``.dot`` writes the Graphviz source.
 """
@@ -20,6 +21,7 @@ import subprocess
 from collections import Counter
 from typing import Any, Optional, Union
 
+import networkx as nx
 import torch
 import torch.fx as fx
 
@@ -165,7 +167,7 @@ def _dot_blocks(items: list[Item]) -> str:
         text = "\n".join(line for line in label if line)
         lines.append(f"  {_dot_quote(item.name)} [label={_dot_quote(text)}, fillcolor={_dot_quote(COLOURS[kind][0])}, "
                      f"tooltip={_dot_quote(tip)}{extra}];")
-    inputs, _ = _edges(items)
+    inputs = _edges(items)
     for item in items:
         for source in inputs[item]:
             lines.append(f"  {_dot_quote(source.name)} -> {_dot_quote(item.name)};")
@@ -181,61 +183,45 @@ def _graphviz_svg(source: str, dot: str) -> str:
     return done.stdout[done.stdout.index("<svg"):]
 
 
-# -- the built-in layout --------------------------------------------------------------
+# -- the built-in picture: networkx's layers, drawn as SVG --------------------------------
 # The layout works on items: graph nodes, or module blocks (amp_fx/inspection/draw_blocks.py) standing for many.
-def _edges(items: list[Item]) -> tuple[dict[Item, list[Item]], dict[Item, list[Item]]]:
-    """Each item's inputs and users among ``items`` (edges inside a block, and to nodes not drawn, are dropped)."""
+def _edges(items: list[Item]) -> dict[Item, list[Item]]:
+    """Each item's inputs among ``items`` (edges inside a block, and to nodes not drawn, are dropped)."""
     owner: dict[fx.Node, Item] = {}
     for item in items:
         for node in item.nodes if isinstance(item, Block) else (item,):
             owner[node] = item
     inputs: dict[Item, list[Item]] = {item: [] for item in items}
-    users: dict[Item, list[Item]] = {item: [] for item in items}
     for item in items:
         for node in item.nodes if isinstance(item, Block) else (item,):
             for source in node.all_input_nodes:
                 other = owner.get(source)
                 if other is not None and other is not item and other not in inputs[item]:
                     inputs[item].append(other)
-                    users[other].append(item)
-    return inputs, users
+    return inputs
 
 
-def _layers(items: list[Item], inputs: dict[Item, list[Item]], users: dict[Item, list[Item]]) -> dict[Item, int]:
-    """Layer of every item: longest path from the inputs; parameter chains sit just above their first user."""
-    anchored: dict[Item, bool] = {}
-    height: dict[Item, int] = {}
-    depth: dict[Item, int] = {}
-    for item in items:
-        preds = [p for p in inputs[item] if p in anchored]  # items are in graph order: inputs come first
-        anchored[item] = (isinstance(item, Block) or item.op == "placeholder") or any(anchored[p] for p in preds)
-        if not anchored[item]:
-            height[item] = 1 + max((height[p] for p in preds), default=-1)
-            continue
-        depth[item] = max([depth[p] + 1 for p in preds if anchored[p]] + [height[p] + 1 for p in preds if not anchored[p]], default=0)
-    for item in reversed(items):
-        if not anchored[item]:
-            below = [depth[u] for u in users[item] if u in depth]
-            depth[item] = min(below) - 1 if below else height[item]
-    return depth
+def _layers(items: list[Item], inputs: dict[Item, list[Item]]) -> list[list[Item]]:
+    """Items per layer, top to bottom, in graph order within a layer (networkx lays them out).
 
-
-def _order(items: list[Item], depth: dict[Item, int], inputs: dict[Item, list[Item]], users: dict[Item, list[Item]]) -> list[list[Item]]:
-    """Items per layer, ordered by a few barycentre sweeps to cut edge crossings."""
+    A layer is a topological generation counted back from the output, so a parameter and its cast sit
+    just above their first user instead of all in the first row; graph inputs stay in the first row.
+    ``multipartite_layout`` places each layer's items side by side; its order is read back per row.
+    """
+    graph = nx.DiGraph()
+    graph.add_nodes_from(items)
+    graph.add_edges_from((source, item) for item in items for source in inputs[item])
+    generations = list(nx.topological_generations(graph.reverse(copy=False)))
+    for back, generation in enumerate(generations):
+        for item in generation:
+            is_input = not isinstance(item, Block) and item.op == "placeholder"
+            # An input's users are all at least one layer below the top: pinning it there keeps edges pointing down.
+            graph.nodes[item]["layer"] = 0 if is_input else len(generations) - 1 - back
+    position = nx.multipartite_layout(graph, subset_key="layer", align="horizontal")
     rows: dict[int, list[Item]] = {}
     for item in items:
-        rows.setdefault(depth[item], []).append(item)
-    layers = [rows[k] for k in sorted(rows)]
-    for _ in range(2):
-        for sweep in (range(1, len(layers)), range(len(layers) - 2, -1, -1)):
-            position = {n: i for row in layers for i, n in enumerate(row)}
-            for r in sweep:
-                def centre(n: Item) -> float:
-                    near = [position[m] for m in inputs[n] + users[n] if m in position and abs(depth[m] - depth[n]) >= 1]
-                    return sum(near) / len(near) if near else position[n]
-                layers[r].sort(key=centre)
-                position.update({n: i for i, n in enumerate(layers[r])})
-    return layers
+        rows.setdefault(graph.nodes[item]["layer"], []).append(item)
+    return [sorted(rows[layer], key=lambda item: position[item][0]) for layer in sorted(rows)]
 
 
 def _text(x: float, y: float, text: str, cls: str) -> str:
@@ -253,8 +239,8 @@ def _size(layers: list[list[Item]]) -> tuple[float, float]:
 
 
 def _layout(items: list[Item]) -> tuple[list[list[Item]], dict[Item, list[Item]]]:
-    inputs, users = _edges(items)
-    return _order(items, _layers(items, inputs, users), inputs, users), inputs
+    inputs = _edges(items)
+    return _layers(items, inputs), inputs
 
 
 def _fits(items: list[Item], max_size: tuple[int, int]) -> bool:

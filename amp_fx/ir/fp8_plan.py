@@ -103,7 +103,7 @@ def plan_auto(gm: fx.GraphModule, ctx: PassContext, gemms: list) -> dict[fx.Node
     config = ctx.config.fp8
     weighted = [g for g in gemms if is_weight(g.weight)]
     stops = {g.node for g in weighted}
-    targets = {g.node: (high_precision(g.act), high_precision(g.weight), g.op == "linear") for g in weighted}
+    targets = {g.node: (high_precision(g.act), high_precision(g.weight), g.layout == "NK") for g in weighted}
     try:
         measured = capture_sensitivity(gm, targets, _placeholder_values(gm, ctx))
     except Exception as exc:  # noqa: BLE001 -- any failure of the run is the user's to see, with the way out

@@ -4,8 +4,9 @@
 a dict of :class:`Fp8Config` fields or an :class:`Fp8Config`;
 :func:`parse_fp8` reads it.  A GEMM runs in fp8 when
 
-1. ``can_fp8`` -- it is legal: a ``linear``, or a ``matmul`` / ``mm`` /
-   ``addmm`` (``alpha = beta = 1``) whose second operand is a 2-D parameter; its K and N are static, nonzero multiples of 16
+1. ``can_fp8`` -- it is legal: an op whose registry row says fp8 (``linear``, or a ``matmul`` / ``mm`` /
+   ``addmm`` (``alpha = beta = 1``), or a custom op :func:`~amp_fx.ir.op_properties.register_op` gave
+   ``fp8=True``) whose weight operand is a 2-D parameter; its K and N are static, nonzero multiples of 16
    (what fp8 tensor cores and ``torch._scaled_mm`` take); it is painted low
    (a GEMM the level or a policy keeps fp32 is not fp8), with an activation of
    at least 2 dims;
@@ -28,17 +29,17 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError, AmpWarning
+from amp_fx.ir import op_properties
 from amp_fx.ir.fp8_cost import DEVICES, DeviceProfile, device_profile
 
 __all__ = ["Fp8Config", "parse_fp8", "fp8_for_level", "can_fp8", "should_fp8", "RECIPES", "AMAX_COMPUTE", "SIZE_RULES",
-           "ALIGNMENT", "FP8_OPS", "AUTO", "AUTO_CHOICES", "Fp8NothingConvertedWarning"]
+           "ALIGNMENT", "AUTO", "AUTO_CHOICES", "Fp8NothingConvertedWarning"]
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
 AUTO = "auto"  # per GEMM: bf16 or one of AUTO_CHOICES, from the cost model and a calibration (amp_fx/ir/fp8_choice.py)
 AUTO_CHOICES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 AMAX_COMPUTE = ("max", "most_recent")
 ALIGNMENT = 16  # K and N of an fp8 GEMM: torch._scaled_mm's requirement
-FP8_OPS = ("linear", "matmul", "mm", "addmm")  # addmm: bias + x @ W, as Hugging Face's Conv1D computes
 
 
 def _tensorwise_worth_it(K: int, N: int) -> bool:
@@ -186,11 +187,14 @@ def fp8_for_level(level: str, value: Union[None, bool, str, Mapping, Fp8Config])
 
 def can_fp8(op: Optional[str], *, decision: Optional[str], K: Any, N: Any, act_dims: Optional[int],
             weight_is_param: bool, scaled: bool = False) -> tuple[bool, str]:
-    """Legality: (True, "") when the GEMM may run in fp8, else (False, why).  ``scaled``: addmm's alpha or beta is not 1."""
-    if op not in FP8_OPS:
-        return False, f"{op} is not an fp8 GEMM ({', '.join(FP8_OPS)})"
+    """Legality: (True, "") when the GEMM may run in fp8, else (False, why).
+
+    ``scaled``: it is no plain GEMM (addmm's alpha or beta is not 1, or it takes arguments besides activation, weight, bias).
+    """
+    if not op_properties.of(op).fp8:
+        return False, f"{op} is not an fp8 GEMM (the op registry's fp8 rows: linear, matmul, mm, addmm, registered ops)"
     if scaled:
-        return False, "addmm with alpha or beta other than 1"
+        return False, "alpha or beta other than 1, or arguments besides activation, weight and bias"
     if decision != "low":
         return False, f"runs {decision}, not low precision"
     if not weight_is_param:

@@ -5,9 +5,12 @@ The autocast lists stay data in :mod:`amp_fx.ir.tables` (table class and reason,
 norms, export checks); this module reads them and defines every other property a pass decides
 by, each once, as the set of ops that have it.  :func:`of` gathers them into one frozen
 :class:`OpProperties` per op; an op listed nowhere gets the defaults (nothing known about it).
-Adding an op: its table entry in ``tables.py``, then here each property it has.  A ``torch.library``
-custom op is keyed ``"ns::name"`` (``op_keys`` names it so on every route); one listed nowhere is
-unknown, and ``passes/assign_precision.py`` gives it one dtype for its inputs.
+Adding a built-in op: its table entry in ``tables.py``, then here each property it has.  A
+``torch.library`` custom op is keyed ``"ns::name"`` (``op_keys`` names it so on every route); a
+library adds its whole row in one call, :func:`register_op` (table, reason, GEMM signature with
+its weight layout, fp8 eligibility, fused norm form).  One listed nowhere is unknown, and
+``passes/assign_precision.py`` gives it one dtype for its inputs.  Passes read the row
+(``gemm``, ``fp8``, ``fused_form``) and never test an op's name.
 
 Rounding.  Two passes let an op run in the low dtype where its result is rounded low anyway,
 which rounds its input instead of its output (``minimize_casts`` moving an fp32 node low,
@@ -33,20 +36,26 @@ the passes' old lists disagreed, and why the registry answers as it does, is sho
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 from types import MappingProxyType
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch.fx.node import map_arg
 
+from amp_fx.errors import AmpTypeError, AmpValueError
+from amp_fx.graph_ops.fused_norms import layer_norm_fp32_stats
 from amp_fx.ir import meta, tables
-from amp_fx.ir.fp8_rules import FP8_OPS
 
-__all__ = ["OpProperties", "FusedForm", "of", "exact_under_rounding", "exact_under_rounding_at", "known_ops",
-           "CAST_OPS", "NAMED_CASTS", "FUSED_FORMS", "HOOK_BOUNDARY_OPS", "HOOK_VALUE_OP", "BACKWARD_KINDS"]
+__all__ = ["OpProperties", "FusedForm", "GemmSig", "register_op", "RegisteredOp", "of", "exact_under_rounding",
+           "exact_under_rounding_at", "known_ops", "CAST_OPS", "NAMED_CASTS", "FUSED_FORMS", "HOOK_BOUNDARY_OPS",
+           "HOOK_VALUE_OP", "BACKWARD_KINDS", "WEIGHT_LAYOUTS"]
+
+_LOW_DTYPES = frozenset({torch.bfloat16, torch.float16})
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,45 @@ class FusedForm:
 
     devices: frozenset  # device types on which it was verified as precise as the cast form
     description: str  # what the report says it runs
+    dtypes: frozenset = _LOW_DTYPES  # the low input dtypes it was verified for
+    affine_only: bool = True  # verified only with a weight or bias (without: the kernel's input gradient is low)
+    retarget: Optional[Callable] = None  # a precise function the call is pointed at when fused
+    calls: tuple = ()  # with ``retarget``: the call targets that may be pointed at it (others keep the cast form)
+
+
+WEIGHT_LAYOUTS = ("KN", "NK", "conv")
+
+
+@dataclass(frozen=True)
+class GemmSig:
+    """Where a GEMM op reads its activation, weight and bias, and how its weight is laid out.
+
+    Positions count the op's positional arguments; ``names`` are the same three arguments' keyword
+    names (a call may pass them by name; :func:`register_op` reads them off a registered op's schema).
+    ``weight_layout``: ``"KN"`` (``x @ W``, W's last two dims are K x N: ``mm``'s ``mat2``), ``"NK"``
+    (``x @ W.T``, W is N x K: ``F.linear``'s weight) or ``"conv"`` (N x K/groups x kernel).
+    ``groups`` / ``transposed``: a convolution's positions of those arguments; ``unit_scalars``:
+    keyword scalars a plain GEMM leaves at 1 (``addmm``'s ``beta`` and ``alpha``).
+    """
+
+    activation: int
+    weight: int
+    bias: Optional[int] = None
+    weight_layout: str = "KN"
+    names: tuple = (None, None, None)
+    groups: Optional[int] = None
+    transposed: Optional[int] = None
+    unit_scalars: tuple = ()
+
+    def operands(self) -> tuple:
+        """((position, keyword name), ...) of activation, weight and bias (bias position None: it has none)."""
+        names = tuple(self.names) + (None,) * (3 - len(self.names))
+        return tuple(zip((self.activation, self.weight, self.bias), names[:3]))
+
+    @property
+    def arity(self) -> int:
+        """How many positional arguments its activation, weight and bias take at most."""
+        return 1 + max(p for p in (self.activation, self.weight, self.bias) if p is not None)
 
 
 def _group(value: object, *names: str) -> dict[str, object]:
@@ -138,22 +186,36 @@ _GROWS = frozenset({"repeat", "tile", "repeat_interleave", "expand"})
 # -- kernels ------------------------------------------------------------------
 # (Not batch_norm: CPU's mixed backward gives a 1.17x larger input-gradient error than the cast form
 # against fp64.  At O1 batch_norm follows its input anyway; only a policy pins it fp32.)
-FUSED_FORMS: Mapping[str, FusedForm] = MappingProxyType({
+# layer_norm: bf16 only (fp16: CPU's mixed forward differs from the cast form in ~1e-4 of the outputs, 1 ulp,
+# and a 200-step fp16 run drifted from autocast; bf16 is bitwise), and only its F.layer_norm / torch.layer_norm
+# calls, pointed at layer_norm_fp32_stats (a leaf module or an aten form would run CPU's own mixed backward,
+# which rounds dx, dw, db low).  With or without weight and bias.
+_FUSED_FORMS: dict[str, FusedForm] = {
     "group_norm": FusedForm(frozenset({"cpu"}), "group_norm"),
     "instance_norm": FusedForm(frozenset({"cpu"}), "instance_norm"),
-    "layer_norm": FusedForm(frozenset({"cpu"}), "layer_norm without weight and bias"),
-})
+    "layer_norm": FusedForm(frozenset({"cpu"}), "layer_norm without weight and bias", dtypes=frozenset({torch.bfloat16}),
+                            affine_only=False, retarget=layer_norm_fp32_stats,
+                            calls=(F.layer_norm, torch.layer_norm, layer_norm_fp32_stats)),
+}
+FUSED_FORMS: Mapping[str, FusedForm] = MappingProxyType(_FUSED_FORMS)
 # Where F.layer_norm/group_norm and F.batch_norm/instance_norm take their weight and bias.
-_WEIGHT_BIAS_ARGS = MappingProxyType({"layer_norm": (2, 3), "group_norm": (2, 3), "batch_norm": (3, 4),
-                                      "instance_norm": (3, 4)})
-# GEMMs passes/pad_gemm.py pads: names of (activation, weight, bias) arguments, in positional order.
-_GEMM_ARGS: Mapping[str, tuple] = MappingProxyType({
-    "linear": ("input", "weight", "bias"),
-    "matmul": ("input", "other"), "mm": ("input", "mat2"), "bmm": ("input", "mat2"),
-    "addmm": ("input", "mat1", "mat2"), "baddbmm": ("input", "batch1", "batch2"),
-    "conv1d": ("input", "weight", "bias"), "conv2d": ("input", "weight", "bias"),
-    "conv3d": ("input", "weight", "bias"), "convolution": ("input", "weight", "bias"),
-})
+_WEIGHT_BIAS_ARGS: dict[str, tuple] = {"layer_norm": (2, 3), "group_norm": (2, 3), "batch_norm": (3, 4),
+                                       "instance_norm": (3, 4)}
+# GEMMs passes/pad_gemm.py pads and passes/fp8_gemms.py may make fp8: where their operands are, the weight's layout.
+_LINEAR = GemmSig(0, 1, 2, "NK", ("input", "weight", "bias"))
+_CONV = GemmSig(0, 1, 2, "conv", ("input", "weight", "bias"), groups=6)
+_GEMMS: dict[str, GemmSig] = {
+    "linear": _LINEAR,
+    "matmul": GemmSig(0, 1, None, "KN", ("input", "other")), "mm": GemmSig(0, 1, None, "KN", ("input", "mat2")),
+    "bmm": GemmSig(0, 1, None, "KN", ("input", "mat2")),
+    "addmm": GemmSig(1, 2, 0, "KN", ("mat1", "mat2", "input"), unit_scalars=("beta", "alpha")),
+    "baddbmm": GemmSig(1, 2, 0, "KN", ("batch1", "batch2", "input"), unit_scalars=("beta", "alpha")),
+    "conv1d": _CONV, "conv2d": _CONV, "conv3d": _CONV,
+    "convolution": GemmSig(0, 1, 2, "conv", ("input", "weight", "bias"), groups=8, transposed=6),
+}
+# GEMMs that may run as scaled fp8 GEMMs (amp_fx/ir/fp8_rules.py), each verified against torchao
+# (tests/fp8/test_fp8_torchao.py).  addmm: bias + x @ W, as Hugging Face's Conv1D computes.
+_FP8: set = {"linear", "matmul", "mm", "addmm"}
 
 # -- module hook boundaries (amp_fx/frontend/module_hooks.py) --------------------
 # enter/exit pass a token; module_hook_value(x, token, i) is x as the hooks left it.
@@ -201,7 +263,7 @@ class OpProperties:
     grows: bool = False  # result larger than its input by literal factors (repeat, expand)
     fused_form: Optional[FusedForm] = None  # a verified mixed-dtype kernel for its fp32 decision
     weight_bias_args: Optional[tuple] = None  # positions of weight and bias (norms)
-    gemm_args: Optional[tuple] = None  # argument names of (activation, weight, bias): a GEMM pad_gemm pads
+    gemm: Optional[GemmSig] = None  # a GEMM's operands and weight layout (pad_gemm, fp8_gemms)
     norm: Optional[str] = None  # "statistics" (fp32 under keep_batchnorm_fp32) | "input_dtype" (follows its input)
     loss: bool = False  # a loss (or the log_softmax of one): fp32 at O2 under keep_losses_fp32
     hook: Optional[str] = None  # "boundary" (enter/exit token) | "value" (a value out of a boundary)
@@ -238,14 +300,14 @@ def of(op: Optional[str]) -> OpProperties:
         rounding_forward=op in _ROUNDING_FORWARD, backward=_BACKWARD.get(op, "computes"),
         either_precision=op in _EITHER_PRECISION, native_promotion=op in _NATIVE_PROMOTION,
         cast_hoistable=op in _CAST_HOISTABLE, grows=op in _GROWS, fused_form=FUSED_FORMS.get(op),
-        weight_bias_args=_WEIGHT_BIAS_ARGS.get(op), gemm_args=_GEMM_ARGS.get(op), norm=norm, loss=op in tables.LOSSES,
+        weight_bias_args=_WEIGHT_BIAS_ARGS.get(op), gemm=_GEMMS.get(op), norm=norm, loss=op in tables.LOSSES,
         hook="boundary" if op in HOOK_BOUNDARY_OPS else "value" if op == HOOK_VALUE_OP else None,
         export_check=op in tables.EXPORT_CHECKS,
         float_result=table in ("low", "fp32") and op not in _INTEGER_PRESERVING,
         non_float_result=op in _NON_FLOAT_RESULT, non_tensor_result=op in _NON_TENSOR_RESULT,
         tuple_result=op in _TUPLE_RESULT,
         keeps_first_dtype=op in tables.DATA_MOVEMENT and op not in _NOT_FIRST_DTYPE,
-        real_of_complex=op in _REAL_OF_COMPLEX, complex_result=op in _COMPLEX_RESULT, fp8=op in FP8_OPS,
+        real_of_complex=op in _REAL_OF_COMPLEX, complex_result=op in _COMPLEX_RESULT, fp8=op in _FP8,
     )
 
 
@@ -279,6 +341,113 @@ def exact_under_rounding_at(node: fx.Node, *, routes: bool = False) -> bool:
 @lru_cache(maxsize=None)
 def known_ops() -> frozenset:
     """Every op some table or property names (a policy's ``op:`` name outside these is a likely misspelling)."""
-    named = set().union(*tables.all_tables().values(), CAST_OPS, _VIEWS, _BACKWARD, _EITHER_PRECISION, _GEMM_ARGS,
+    named = set().union(*tables.all_tables().values(), CAST_OPS, _VIEWS, _BACKWARD, _EITHER_PRECISION, _GEMMS,
                         _NON_FLOAT_RESULT, _NON_TENSOR_RESULT, _TUPLE_RESULT, HOOK_BOUNDARY_OPS, {HOOK_VALUE_OP})
     return frozenset(named)
+
+
+# -- a library's own ops: one row, one call -------------------------------------
+_TORCH_NAMESPACES = ("aten", "prim", "prims", "quantized", "_quant")
+
+
+class RegisteredOp:
+    """What :func:`register_op` returns: ``remove()`` takes the row out again (tests; a library reloading).
+
+    A shipped row that ``replace=True`` replaced is not restored: the op becomes unknown.
+    """
+
+    def __init__(self, op: str):
+        self.op = op
+
+    def remove(self) -> None:
+        """Forget every property :func:`register_op` gave the op (its row becomes unknown again)."""
+        for rows in tables._rows().values():
+            rows.pop(self.op, None)
+        for data in (_GEMMS, _FUSED_FORMS, _WEIGHT_BIAS_ARGS):
+            data.pop(self.op, None)
+        _FP8.discard(self.op)
+        _forget()
+
+    def __repr__(self) -> str:
+        return f"RegisteredOp({self.op!r})"
+
+
+def _forget() -> None:
+    of.cache_clear()
+    known_ops.cache_clear()
+
+
+def _schema_names(op: str, sig: GemmSig) -> tuple:
+    """The keyword names of ``sig``'s three operands, read off the op's schema when torch knows the op."""
+    namespace, _, name = op.partition("::")
+    try:
+        arguments = getattr(getattr(torch.ops, namespace), name).default._schema.arguments
+    except (AttributeError, RuntimeError):
+        return sig.names
+    return tuple(arguments[p].name if p is not None and p < len(arguments) else None
+                 for p in (sig.activation, sig.weight, sig.bias))
+
+
+def _check_row(op: str, table: str, reason: str, gemm: Optional[GemmSig], fp8: bool, fused_form: Optional[FusedForm],
+               weight_bias: Optional[tuple]) -> None:
+    if not isinstance(op, str) or op.count("::") != 1 or not all(op.split("::")) \
+            or op.split("::")[0] in _TORCH_NAMESPACES:
+        raise AmpValueError(f"register_op takes a custom op's qualified name 'namespace::name', as torch.library "
+                            f"defines it, got {op!r}; PyTorch's own ops are rows of amp_fx/ir/tables.py")
+    if table not in tables.all_tables():
+        raise AmpValueError(f"register_op({op!r}): table must be one of {sorted(tables.all_tables())}, got {table!r}")
+    if not isinstance(reason, str) or not reason.strip():
+        raise AmpValueError(f"register_op({op!r}): give the one-line reason the report shows for its decision")
+    if gemm is not None:
+        if not isinstance(gemm, GemmSig):
+            raise AmpTypeError(f"register_op({op!r}): gemm takes a GemmSig(activation=, weight=, bias=, "
+                               f"weight_layout=), got {type(gemm).__name__}")
+        if gemm.weight_layout not in WEIGHT_LAYOUTS:
+            raise AmpValueError(f"register_op({op!r}): weight_layout must be one of {WEIGHT_LAYOUTS}, "
+                                f"got {gemm.weight_layout!r}")
+        if table != "low":
+            raise AmpValueError(f"register_op({op!r}): a GEMM signature is for ops in the 'low' table (the passes "
+                                f"that read it pad and quantize low GEMMs), got table={table!r}")
+    if fp8 and (gemm is None or gemm.weight_layout == "conv"):
+        raise AmpValueError(f"register_op({op!r}, fp8=True) needs gemm=GemmSig(..., weight_layout='NK' or 'KN'): "
+                            "an fp8 GEMM is x @ W.T or x @ W (plus bias) with a 2-D weight")
+    if fused_form is not None:
+        if not isinstance(fused_form, FusedForm):
+            raise AmpTypeError(f"register_op({op!r}): fused_form takes a FusedForm, got {type(fused_form).__name__}")
+        if table != "fp32" or weight_bias is None:
+            raise AmpValueError(f"register_op({op!r}): a fused form is for an fp32 norm and needs weight_bias="
+                                "(weight position, bias position)")
+
+
+def register_op(op: str, *, table: str, reason: str, gemm: Optional[GemmSig] = None, fp8: bool = False,
+                fused_form: Optional[FusedForm] = None, weight_bias: Optional[tuple] = None,
+                replace: bool = False) -> RegisteredOp:
+    """Give custom op ``"ns::name"`` its whole row: table and reason, GEMM signature, fp8 eligibility, fused norm form.
+
+    A library calls it beside its ``torch.library`` definition, before converting::
+
+        amp_fx.register_op("mylib::dense", table="low", reason="GEMM: runs low like linear",
+                           gemm=amp_fx.GemmSig(activation=0, weight=1, bias=2, weight_layout="NK"), fp8=True)
+
+    ``table``: ``"low"``, ``"fp32"``, ``"promote"``, ``"follow"`` or ``"banned"``; ``gemm``: where its
+    operands are and the weight's layout (``pad_gemm`` pads it); ``fp8=True``: it computes
+    ``x @ W.T + b`` (``"NK"``) or ``x @ W + b`` (``"KN"``) and nothing else, so ``fp8_gemms`` may
+    run it as a scaled fp8 GEMM; ``fused_form`` with ``weight_bias=(w, b)``: an fp32 norm with
+    a verified mixed-dtype kernel (``fuse_precision``).  An op that has a row already is refused
+    unless ``replace=True``.  Returns a handle whose ``remove()`` takes the row out.
+    """
+    _check_row(op, table, reason, gemm, fp8, fused_form, weight_bias)
+    if not replace and (tables.table_of(op) != "unknown" or op in _GEMMS):
+        raise AmpValueError(f"register_op: {op!r} has a row already ({tables.table_of(op)}); pass replace=True to "
+                            "replace it")
+    RegisteredOp(op).remove()
+    tables._rows()[table][op] = reason
+    if gemm is not None:
+        _GEMMS[op] = gemm if any(gemm.names) else dataclasses.replace(gemm, names=_schema_names(op, gemm))
+    if fp8:
+        _FP8.add(op)
+    if fused_form is not None:
+        _FUSED_FORMS[op] = fused_form
+        _WEIGHT_BIAS_ARGS[op] = tuple(weight_bias)
+    _forget()
+    return RegisteredOp(op)

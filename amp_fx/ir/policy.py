@@ -118,7 +118,7 @@ def _check_custom_op(op: str, *, when_loaded: bool = False) -> None:
     built before the library that registers its ops is imported; ``convert()`` checks again).
     """
     registered = _custom_ops_registered()
-    if op in registered or op in tables.CUSTOM_OPS:
+    if op in registered or tables.table_of(op) != "unknown":  # torch knows it, or a table (shipped or register_op's)
         return
     namespace = op.split("::")[0]
     if when_loaded and not any(name.startswith(namespace + "::") for name in registered):

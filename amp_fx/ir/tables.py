@@ -7,7 +7,8 @@ table.  Every op not listed here FOLLOWS: it runs in whatever dtype arrives.
 
 Each table maps a name to the one-line reason shown in the conversion report.
 Custom ops (``torch.library``) that well-known libraries register are keyed by
-their qualified name, ``"ns::name"``, as every route names them.
+their qualified name, ``"ns::name"``, as every route names them; any other
+library adds its ops' rows with :func:`amp_fx.register_op`, which writes here.
 The groups mirror the CUDA autocast reference; where CPU autocast disagrees
 the comment says so (the CUDA reference is what Apex and users expect).
 """
@@ -41,7 +42,7 @@ def _group(reason: str, *names: str) -> dict[str, str]:
 # --------------------------------------------------------------------------
 # LOW (allow list): run in the low dtype.
 # --------------------------------------------------------------------------
-LOW: Mapping[str, str] = MappingProxyType({
+_LOW_ROWS: dict[str, str] = {
     # GEMMs: tensor cores need fp16/bf16 inputs; accumulation is fp32 inside.
     **_group(
         "GEMM: tensor cores run it low with fp32 accumulation",
@@ -87,12 +88,13 @@ LOW: Mapping[str, str] = MappingProxyType({
         "attention: transformers' MSA block-sparse kernel (CUDA) takes fp16/bf16 inputs",
         "transformers_msa::sparse_atten",
     ),
-})
+}
+LOW: Mapping[str, str] = MappingProxyType(_LOW_ROWS)
 
 # --------------------------------------------------------------------------
 # FP32 (deny list): inputs are cast to fp32 and the op runs in fp32.
 # --------------------------------------------------------------------------
-FP32: Mapping[str, str] = MappingProxyType({
+_FP32_ROWS: dict[str, str] = {
     # Pointwise functions whose output range or slope overflows fp16.
     **_group(
         "pointwise: range or precision exceeds fp16",
@@ -145,12 +147,13 @@ FP32: Mapping[str, str] = MappingProxyType({
         "linalg_svdvals", "linalg_det", "linalg_slogdet", "linalg_cholesky", "linalg_qr", "linalg_pinv",
         "linalg_lstsq", "quantile", "nanquantile", "polar",
     ),
-})
+}
+FP32: Mapping[str, str] = MappingProxyType(_FP32_ROWS)
 
 # --------------------------------------------------------------------------
 # PROMOTE: inputs are cast to the widest floating dtype among them.
 # --------------------------------------------------------------------------
-PROMOTE: Mapping[str, str] = MappingProxyType({
+_PROMOTE_ROWS: dict[str, str] = {
     # Multi-input ops whose kernels require one dtype across inputs.
     **_group(
         "multi-input op: runs in the widest input dtype",
@@ -160,7 +163,8 @@ PROMOTE: Mapping[str, str] = MappingProxyType({
     ),
     # Sequence ops: cat/stack over mixed inputs promote to the widest.
     **_group("sequence op: runs in the widest input dtype", "cat", "stack"),
-})
+}
+PROMOTE: Mapping[str, str] = MappingProxyType(_PROMOTE_ROWS)
 
 # Ops that only move data (views, layout, indexing, embedding lookups): they
 # follow their input at every level, and casts can be hoisted through them.
@@ -195,7 +199,7 @@ EXPORT_CHECKS: frozenset[str] = frozenset({"_assert_tensor_metadata", "_assert_s
 # FOLLOW: known to be safe in whatever dtype arrives.  Ops in no table follow
 # too, but are counted as unknown in the report (on_unknown_op= changes that).
 # --------------------------------------------------------------------------
-FOLLOW: Mapping[str, str] = MappingProxyType({
+_FOLLOW_ROWS: dict[str, str] = {
     # Elementwise arithmetic and activations: exact or bandwidth bound.
     **_group(
         "elementwise: same precision in and out",
@@ -238,21 +242,24 @@ FOLLOW: Mapping[str, str] = MappingProxyType({
         "batch norm follows its input (fp32 statistics, low input)",
         "batch_norm", "instance_norm",
     ),
-})
+}
+FOLLOW: Mapping[str, str] = MappingProxyType(_FOLLOW_ROWS)
 
 # --------------------------------------------------------------------------
 # BANNED: unsafe in low precision; refused unless allow_banned=True (then fp32).
 # --------------------------------------------------------------------------
-BANNED: Mapping[str, str] = MappingProxyType({
+_BANNED_ROWS: dict[str, str] = {
     "binary_cross_entropy": (
         "binary_cross_entropy is unsafe in low precision (its log saturates "
         "and gradients overflow). Use torch.nn.functional."
         "binary_cross_entropy_with_logits or torch.nn.BCEWithLogitsLoss on "
         "the logits instead, or pass allow_banned=True to run it in fp32."
     ),
-})
+}
+BANNED: Mapping[str, str] = MappingProxyType(_BANNED_ROWS)
 
-# The custom ops the tables decide (their keys are "ns::name"; tests/ir/test_custom_ops.py covers them).
+# The custom ops the tables ship with (their keys are "ns::name"; tests/ir/test_custom_ops.py covers them).
+# Ops a library adds with amp_fx.register_op are not among them.
 CUSTOM_OPS: frozenset[str] = frozenset(
     op for table in (LOW, FP32, PROMOTE, FOLLOW, BANNED) for op in table if "::" in op)
 
@@ -264,6 +271,11 @@ NORM_OPS: frozenset[str] = frozenset({
 })
 
 LOW_PRECISION_DTYPES = ("float16", "bfloat16")
+
+
+def _rows() -> dict[str, dict[str, str]]:
+    """The tables' own dicts, by category: only :func:`amp_fx.ir.op_properties.register_op` writes into them."""
+    return {"low": _LOW_ROWS, "fp32": _FP32_ROWS, "promote": _PROMOTE_ROWS, "banned": _BANNED_ROWS, "follow": _FOLLOW_ROWS}
 
 
 def all_tables() -> dict[str, Mapping[str, str]]:

@@ -37,10 +37,11 @@ def _decomposes_to(op):
     needed = [a for a in args if not a.kwarg_only and not a.has_default_value()]
     if any(str(a.type) not in _SAMPLES for a in needed):
         return None
+    samples = [_SAMPLES[str(a.type)]() for a in needed]  # made outside the recording: only op's own calls count
     calls = _Calls()
     try:
         with calls:
-            op(*(_SAMPLES[str(a.type)]() for a in needed))
+            op(*samples)
     except Exception:  # a sample this op does not take: no evidence either way
         return None
     called = [f for f in calls.ops if f._opname not in ("detach", "alias", "lift_fresh")]
@@ -77,9 +78,16 @@ def _dispatcher_aliases():
 def test_every_alias_torch_runs_as_a_listed_op_is_listed():
     """Torch's dispatcher, not a list, says which ops are aliases: each whose target is in a table is resolved."""
     missing = {}
-    for alias, target in _dispatcher_aliases().items():
+    found = _dispatcher_aliases()
+    # torch 2.13 has 52 (special_expm1, arccos, ...): an empty or shrunken set means the search broke, not that
+    # every alias is listed (its samples were once made inside the recording and it found none).
+    assert len(found) == 52 if torch.__version__.startswith("2.13.") else len(found) >= 40, sorted(found)
+    assert {"special_expm1": "expm1", "arccos": "acos", "special_i0": "i0"}.items() <= found.items()
+    for alias, target in found.items():
         canonical = op_keys.op_name_of(f"aten.{target}")
-        if tables.table_of(canonical) in ("low", "fp32", "promote") and op_keys.op_name_of(f"aten.{alias}") != canonical:
+        resolved = op_keys.op_name_of(f"aten.{alias}")
+        # Decided as its target: the same table (linalg_matmul is matmul, which on 2-D samples runs as mm: both low).
+        if tables.table_of(canonical) in ("low", "fp32", "promote") and tables.table_of(resolved) != tables.table_of(canonical):
             missing[alias] = canonical
     # eigvals is one linalg_eig call but not an alias of it (it returns only the eigenvalues)
     missing.pop("linalg_eigvals", None)

@@ -177,6 +177,7 @@ def test_exact_under_rounding_is_decided_per_use_for_gathers_and_copies():
 
 
 def test_the_registry_is_consistent_with_the_tables_and_itself():
+    assert len(tables.DATA_MOVEMENT) >= 70 and len(op_properties.known_ops()) >= 340  # what the loops below walk
     for op in tables.DATA_MOVEMENT:
         props = op_properties.of(op)
         assert props.backward != "computes" and props.may_alias and props.data_movement, op
@@ -184,16 +185,24 @@ def test_the_registry_is_consistent_with_the_tables_and_itself():
         props = op_properties.of(op)
         assert props.backward in op_properties.BACKWARD_KINDS
         # fp8: the GEMMs verified bit for bit against torchao (tests/fp8/test_fp8_torchao.py)
-        assert props.fp8 is (op in ("linear", "matmul", "mm", "addmm")) and (not props.fp8 or props.gemm_args is not None), op
+        assert props.fp8 is (op in ("linear", "matmul", "mm", "addmm")) and (not props.fp8 or props.gemm is not None), op
         assert not props.cast_hoistable or (props.exact_under_rounding and props.data_movement), op
         assert not props.view or props.may_alias, op
         assert not props.native_promotion or props.either_precision, op
-        assert props.gemm_args is None or props.table == "low", op
+        assert props.gemm is None or props.table == "low", op
     assert set(op_properties.NAMED_CASTS) < op_properties.CAST_OPS and all(op_properties.of(c).may_alias for c in op_properties.CAST_OPS)
     assert {op for op in tables.NORM_OPS if op_properties.of(op).norm == "statistics"} == {"layer_norm", "group_norm", "rms_norm"}
     assert {op for op in tables.NORM_OPS if op_properties.of(op).norm == "input_dtype"} == {"batch_norm", "instance_norm"}
     assert all(op_properties.of(op).weight_bias_args for op in op_properties.FUSED_FORMS)
     assert op_properties.of("module_hook_enter").hook == "boundary" and op_properties.of("module_hook_value").hook == "value"
+    # The dtype-only analysis reads float_result: a low or fp32 op makes a float (linear, softmax of integer-free
+    # input), except the reductions that keep an integer input's dtype (sum of an int tensor is int); follow ops do not.
+    float_result = {op: op_properties.of(op).float_result for op in ("linear", "softmax", "exp", "sum", "cumsum", "pow", "add", "relu")}
+    assert float_result == {"linear": True, "softmax": True, "exp": True, "sum": False, "cumsum": False, "pow": False,
+                            "add": False, "relu": False}
+    # Data movement keeps its first input's dtype, except where an index tensor comes first (F.embedding, one_hot).
+    keeps = {op: op_properties.of(op).keeps_first_dtype for op in ("view", "transpose", "getitem", "embedding", "one_hot", "add")}
+    assert keeps == {"view": True, "transpose": True, "getitem": True, "embedding": False, "one_hot": False, "add": False}
     unknown = op_properties.of("pkg.blocks.Attention")
     assert unknown.table == "unknown" and not unknown.exact_under_rounding and unknown == op_properties.OpProperties("pkg.blocks.Attention")
 

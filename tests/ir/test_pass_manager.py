@@ -342,3 +342,41 @@ def test_design_table_gives_each_pass_its_declared_requires_ensures_and_invalida
         spec = spec_of(p)
         declared = (set(spec.requires), set(spec.ensures), set(spec.invalidates))
         assert rows.get(p.__name__) == declared, f"docs/design.md's row for {p.__name__} should say {declared}"
+
+
+def _pipeline_order() -> list[str]:
+    """Every pass of every level's pipeline, and AFTER_REPORT's, in the one order they all keep."""
+    import graphlib
+
+    sorter = graphlib.TopologicalSorter()
+    for level in ("O0", "O1", "O2", "O3"):
+        for own in (True, False):
+            config = make_config(level, dtype=torch.bfloat16, pad_gemm=True, cache_casts=True)
+            names = [p.__name__ for p in [*build_pipeline(config, own_params=own), *AFTER_REPORT]]
+            for before, after in zip(names, names[1:]):
+                sorter.add(after, before)
+    return list(sorter.static_order())
+
+
+def _map_order() -> list[str]:
+    """The pass names of docs/design.md's map picture, read column by column, top to bottom."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    picture = text.split("## The map", 1)[1].split("```", 2)[1].splitlines()[1:]
+    rows = picture[1:]  # under the header, one column of text per stage
+    starts = [m.start() for m in re.finditer(r"(?<!\S)(?<=\s\s)\S", rows[0])]  # where each column's text begins
+    assert len(starts) == 4, rows[0]
+    found = []
+    for row, line in enumerate(rows):
+        for match in re.finditer(r"[a-z0-9]+(?:_[a-z0-9]+)+", line):
+            column = max(i for i, start in enumerate(starts) if start <= match.start())
+            found.append((column, row, match.start(), match.group()))
+    return [name for *_, name in sorted(found)]
+
+
+def test_the_design_map_draws_every_pass_in_pipeline_order():
+    """docs/design.md's map picture names each pass of the pipeline, in its order, and nothing else (issue 43)."""
+    order = _pipeline_order()
+    assert len(order) == 17 and {"share_cast_grads", "outline_checkpoints", "cast_params", "minimize_casts"} <= set(order)
+    drawn = _map_order()
+    assert drawn == order, f"docs/design.md's map: draw {sorted(set(order) - set(drawn))}, " \
+                           f"drop {sorted(set(drawn) - set(order))}, in the order {order}"

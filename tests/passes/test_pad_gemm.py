@@ -141,6 +141,7 @@ def check(model, example, *, delta, level="O1", dtype=torch.bfloat16, **kwargs):
     recorder = _GemmShapes(padded)
     with torch.no_grad():
         recorder.run(*example)
+    assert len(recorder.seen) >= len(stats["gemms"]) >= 1, (recorder.seen, stats["gemms"])  # every GEMM ran
     for op, act_k, k, n in recorder.seen:
         assert act_k == k and k % ALIGN == 0 and n % ALIGN == 0, (op, act_k, k, n)
     state, original = padded.state_dict(), model.state_dict()

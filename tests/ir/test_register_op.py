@@ -1,0 +1,159 @@
+"""A library's GEMM-like custom op is one ``amp_fx.register_op`` call, and every pass reads its row.
+
+The op computes ``x @ W.T + b`` with an (N, K) weight, as ``F.linear`` does, under
+a name no pass knows.  Before the registry held the weight layout, ``pad_gemm``
+read any weight but ``linear``'s and a convolution's as (K, N): registered the
+obvious way, such an op converted, the report said padded, and the first call
+crashed on a shape mismatch; and ``fp8_gemms`` retargeted only ``linear``.
+Here it goes through decide (its table), cast (its weight cast once), pad (its
+N padded, sliced back), fp8 (a second one, aligned, becomes an fp8 GEMM) and
+runs, forward and backward, against fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+import torch.nn as nn
+
+import amp_fx
+from amp_fx.ir import op_properties, tables
+
+
+@torch.library.custom_op("amp_fx_test::nk_gemm", mutates_args=())
+def nk_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x @ weight.T + bias``, weight (N, K): F.linear under a name only its registration explains."""
+    out = x @ weight.t()
+    return out if bias is None else out + bias
+
+
+@nk_gemm.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+    grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+    return grad @ weight, grad_weight, grad_bias
+
+
+nk_gemm.register_autograd(_backward, setup_context=_setup)
+OP = "amp_fx_test::nk_gemm"
+
+
+class TwoGemms(nn.Module):
+    """First GEMM K=16, N=32 (fp8-aligned); second K=32, N=10 (N padded to 16 for bf16 tensor cores)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.randn(32, 16) / 4), nn.Parameter(torch.randn(32) / 4)
+        self.w2, self.b2 = nn.Parameter(torch.randn(10, 32) / 6), nn.Parameter(torch.randn(10) / 4)
+
+    def forward(self, x):
+        h = torch.relu(torch.ops.amp_fx_test.nk_gemm(x, self.w1, self.b1))
+        return torch.ops.amp_fx_test.nk_gemm(h, self.w2, self.b2)
+
+
+@pytest.fixture
+def registered():
+    handle = amp_fx.register_op(OP, table="low", reason="GEMM: a test library's dense layer, x @ W.T + b",
+                                gemm=amp_fx.GemmSig(activation=0, weight=1, bias=2, weight_layout="NK"), fp8=True)
+    yield handle
+    handle.remove()
+    assert op_properties.of(OP).table == "unknown" and op_properties.of(OP).gemm is None
+
+
+def _relative(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def test_the_row_holds_every_fact(registered):
+    row = op_properties.of(OP)
+    assert (row.table, row.fp8, row.gemm.weight_layout) == ("low", True, "NK")
+    assert row.gemm.names == ("x", "weight", "bias")  # read off the op's schema: calls may name them
+    assert OP in op_properties.known_ops() and tables.table_of(OP) == "low"
+
+
+def test_a_custom_nk_gemm_goes_through_decide_cast_pad_fp8_and_runs(registered):
+    torch.manual_seed(0)
+    model, x = TwoGemms(), torch.randn(8, 16)
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,), pad_gemm=True,
+                        fp8={"size_rule": "all"})
+    rows = [r for r in gm.amp_report.nodes if r.op == OP or r.decision == "fp8"]
+    assert len(rows) == 2, rows
+    # decide: the registered table; fp8: the aligned GEMM (N=32, K=16) runs as an fp8 GEMM of the (N, K) weight
+    fp8 = gm.amp_report.passes["fp8_gemms"]
+    assert fp8["fp8"] == 1 and [(g["K"], g["N"], g["fp8"]) for g in fp8["gemms"]] == [(16, 32, True), (32, 10, False)]
+    assert sorted(r.decision for r in rows) == ["fp8", "low"]
+    # pad (after fp8, which took the first): the second's N=10 is padded to 16 and sliced back, K=32 read as K
+    pads = gm.amp_report.passes["pad_gemm"]["gemms"]
+    assert [(g["op"], g["K"], g["N"], g["padded"]) for g in pads] == [(OP, 32, 10, [32, 16])], pads
+    # cast: each weight is read once, by its own cast (the fp8 GEMM quantizes w1 from fp32)
+    casts = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in ("w1", "w2")]
+    assert len(casts) == 2 and all(len(n.users) == 1 for n in casts)
+    # run: outputs and every gradient against fp32
+    out = gm(x)
+    assert out.shape == (8, 10) and out.dtype == torch.float32
+    grads = torch.autograd.grad(out.float().square().sum(), list(gm.parameters()))
+    want = model(x)
+    want_grads = torch.autograd.grad(want.square().sum(), list(model.parameters()))
+    # e4m3 operands (3 mantissa bits: 2**-4 relative rounding each) in the first GEMM, bf16 in the second
+    # (2**-8), e5m2 grad_output (2**-3) backward: normwise, within two of the coarsest roundings.
+    assert _relative(out, want) <= 2 * 2**-4
+    assert len(grads) == len(want_grads) == 4
+    for got, ref in zip(grads, want_grads):
+        assert got.shape == ref.shape and _relative(got, ref) <= 2 * 2**-3
+
+
+def test_a_registered_op_with_no_row_for_fp8_is_padded_but_not_fp8():
+    handle = amp_fx.register_op(OP, table="low", reason="GEMM: x @ W.T + b",
+                                gemm=amp_fx.GemmSig(activation=0, weight=1, bias=2, weight_layout="NK"))
+    try:
+        x = torch.randn(8, 16)
+        gm = amp_fx.convert(TwoGemms(), "O1", dtype=torch.bfloat16, example_inputs=(x,), pad_gemm=True,
+                            fp8={"size_rule": "all"})
+        assert gm.amp_report.passes["fp8_gemms"]["fp8"] == 0
+        assert gm.amp_report.passes["pad_gemm"]["padded"] == 1
+        assert gm(x).shape == (8, 10)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"op": "nk_gemm"}, "namespace::name"),
+    ({"op": "aten::mm"}, "namespace::name"),
+    ({"table": "lowest"}, "table must be one of"),
+    ({"reason": ""}, "reason"),
+    ({"table": "fp32"}, "'low' table"),
+    ({"gemm": None}, "fp8=True) needs gemm"),
+    ({"gemm": amp_fx.GemmSig(0, 1, 2, "conv")}, "fp8=True) needs gemm"),
+    ({"gemm": amp_fx.GemmSig(0, 1, 2, "MK")}, "weight_layout must be one of"),
+    ({"op": "transformers::grouped_mm_fallback"}, "has a row already"),
+])
+def test_a_wrong_registration_is_refused_naming_the_fix(kwargs, error):
+    args = {"op": OP, "table": "low", "reason": "GEMM", "gemm": amp_fx.GemmSig(0, 1, 2, "NK"), "fp8": True, **kwargs}
+    with pytest.raises(amp_fx.AmpValueError, match=error.replace("(", r"\(").replace(")", r"\)")):
+        amp_fx.register_op(args.pop("op"), **args)
+    assert op_properties.of(OP).table == "unknown"
+
+
+def test_a_policy_may_name_a_registered_op_torch_has_not_loaded():
+    """A policy rule for a registered op is no misspelling, even before its library registers it with torch."""
+    rules = {"op:amp_fx_test::later_gemm": "fp32"}
+    with pytest.raises(amp_fx.AmpValueError, match="no amp_fx table decides"):
+        amp_fx.Policy.from_dict(rules)  # its namespace has ops loaded, this one is in none: a misspelling
+    handle = amp_fx.register_op("amp_fx_test::later_gemm", table="low", reason="GEMM: loaded later")
+    try:
+        amp_fx.Policy.from_dict(rules).check_op_names([], [])
+    finally:
+        handle.remove()
