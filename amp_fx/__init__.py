@@ -64,7 +64,7 @@ _LAZY = {
     # the other AmpWarning subclasses (docs/refusals.md, "Warnings"), each filterable on its own
     "RecompileLimitWarning": ".dynamo.recompiles",
     "FrozenTrainingWarning": ".converter.graph_module",
-    "NoGradientsWarning": ".runtime.scaler_steps",
+    "NoGradientsWarning": ".runtime.loss_scaler",
     "StaticShapeWarning": ".frontend.export_route",
     "HookWarning": ".graph_ops.hook_dispatch",
     "UndecidedCustomOpWarning": ".passes.assign_precision",
