@@ -34,6 +34,16 @@ kernels that change a tensor's floating dtype: ``aten._to_copy`` (what
 dtypes, ``prims.convert_element_type`` -- in forward, backward and the
 optimizer step alike.  Compiled modes are not counted: their casts are
 fused into generated kernels and never reach the dispatcher.
+
+Bytes.  :class:`ByteCounter` (a ``TorchDispatchMode`` too) adds up the bytes
+every non-GEMM kernel of the step reads and writes -- casts, the optimizer
+and the scaler, norms, elementwise ops -- by kind.  It does not depend on the
+CPU: it is the figure to drive down where bf16 is emulated (AVX2), and the one
+that explains the time ratios where it is native.  Reads are the tensor
+arguments' bytes, writes the outputs' (an in-place or ``out=`` kernel reads
+and writes its target); views, allocations of uninitialised memory and
+metadata ops move no data and count nothing.  Kernels fused in generated code
+(compiled modes) never reach the dispatcher, so those modes are not counted.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CastCounter", "cpu_profile", "profile_step", "is_gemm", "state_bytes", "RoundTimer", "ModeStats", "spread"]
+__all__ = ["CastCounter", "ByteCounter", "BYTE_KINDS", "cpu_profile", "profile_step", "is_gemm", "state_bytes", "RoundTimer", "ModeStats", "spread"]
 
 
 class CastCounter(TorchDispatchMode):
@@ -73,6 +83,83 @@ class CastCounter(TorchDispatchMode):
             self.count += 1
             self.bytes += changed.numel() * changed.element_size()
             self.by_op[name] = self.by_op.get(name, 0) + 1
+        return out
+
+
+# Ops that move no tensor data: views, metadata, fresh uninitialised memory.
+_NO_DATA = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "as_strided", "detach", "alias", "slice",
+            "select", "unsqueeze", "squeeze", "reshape", "empty", "empty_like", "empty_strided", "new_empty",
+            "new_empty_strided", "lift_fresh", "_local_scalar_dense", "is_same_size", "split", "split_with_sizes",
+            "unbind", "chunk", "narrow", "diagonal", "numpy_T", "view_as", "unflatten", "flatten", "sym_size",
+            "sym_stride", "sym_numel", "sym_storage_offset", "set_", "_has_compatible_shallow_copy_type"}
+_WRITE_ONLY = {"copy_", "_foreach_copy_", "zero_", "_foreach_zero_", "fill_"}
+BYTE_KINDS = ("cast", "optimizer", "norm", "elementwise")
+
+
+def _tensors(value: Any) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key not in seen and t.device.type != "meta":
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _byte_kind(name: str, args: tuple) -> str:
+    if name in ("_to_copy", "to", "convert_element_type"):
+        return "cast"
+    if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor) and args[0].dtype != args[1].dtype:
+        return "cast"
+    if name.startswith(("_foreach_", "_fused_", "_amp_")):
+        return "optimizer"
+    if "norm" in name:
+        return "norm"
+    return "elementwise"
+
+
+class ByteCounter(TorchDispatchMode):
+    """Bytes read and written by every non-GEMM kernel while active, by kind (:data:`BYTE_KINDS`).
+
+    Not counted: GEMM, convolution and attention kernels (the same work in every mode), and
+    kernels that move no data (views, ``empty``).  Each kernel's read bytes are its distinct
+    tensor arguments' sizes, its written bytes its outputs' (an in-place kernel both reads and
+    writes its target); a kernel that reads only part of an argument is over-counted alike in
+    every mode.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_kind: dict[str, int] = {kind: 0 for kind in BYTE_KINDS}
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = getattr(func, "overloadpacket", None)
+        name = getattr(packet, "__name__", str(func))
+        if name in _NO_DATA or is_gemm(f"aten::{name}"):
+            return out
+        overwritten = args[:1] if name in _WRITE_ONLY else ()  # a target these kernels never read
+        read = _nbytes(_tensors((args[len(overwritten):], tuple(kwargs.values()))))
+        if name.startswith("_fused_"):  # (params, grads, state...): everything but the gradients is updated
+            written = _nbytes(_tensors((args[0], args[2:])))
+        elif name.endswith("_") or "out" in kwargs:  # in place / out=
+            written = _nbytes(_tensors(args[:1])) + _nbytes(_tensors(kwargs.get("out")))
+        else:
+            written = _nbytes(_tensors(out))
+        self.by_kind[_byte_kind(name, args)] += read + written
         return out
 
 

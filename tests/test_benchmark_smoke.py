@@ -13,7 +13,7 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 sys.path.insert(0, BENCHMARKS)
 
 import benchmark  # noqa: E402
-from bench_measure import CastCounter  # noqa: E402
+from bench_measure import BYTE_KINDS, ByteCounter, CastCounter  # noqa: E402
 from bench_modes import MODES  # noqa: E402
 
 
@@ -36,6 +36,11 @@ def test_quick_run_prints_every_mode_with_sane_figures(capsys):
     assert rows["fp32"]["casts"] == 0
     assert 0 < rows["amp_fx O3"]["casts"] <= rows["amp_fx O2"]["casts"] < rows["torch.autocast"]["casts"]
     assert "convert() time vs depth" in out and "torch.export route" in out
+    # Bytes moved by non-GEMM kernels: counted for the eager modes only (compiled kernels never reach the dispatcher).
+    for mode, (group, _) in MODES.items():
+        assert ("moved" in rows[mode]) == (group == "eager"), mode
+    assert all(rows[m]["moved"]["optimizer"] > 0 for m in MODES if "moved" in rows[m])
+    assert rows["fp32"]["moved"]["cast"] == 0 < rows["torch.autocast"]["moved"]["cast"]
 
 
 def test_cast_counter_counts_only_dtype_changes():
@@ -49,6 +54,39 @@ def test_cast_counter_counts_only_dtype_changes():
         (x + 1).sum()
     assert counter.count == 2
     assert counter.bytes == 4 * 3 * 2 + 4 * 3 * 4
+
+
+def test_byte_counter_counts_reads_and_writes_of_non_gemm_kernels():
+    """A cast reads its source and writes its result; in-place ops read and write their target; copy_ only writes it;
+    a fused optimizer writes what it updates, not the gradients; GEMMs and views count nothing."""
+    x, w = torch.randn(8, 4), torch.randn(4, 4)
+    dst = torch.empty(8, 4, dtype=torch.bfloat16)
+    params, grads, bufs = [torch.randn(16)], [torch.randn(16)], [torch.zeros(16)]
+    with ByteCounter() as moved:
+        x.to(torch.bfloat16)  # cast: 128 read + 64 written
+        dst.copy_(x)  # cast: 128 read + 64 written (dst not read)
+        x.mm(w)  # GEMM: nothing
+        x.t().view(4, 8)  # views: nothing
+        x.mul_(2.0)  # elementwise: 128 read + 128 written
+        torch._fused_sgd_(params, grads, bufs, weight_decay=0.0, momentum=0.9, lr=0.1, dampening=0.0,
+                          nesterov=False, maximize=False, is_first_step=False)  # 3 x 64 read + 2 x 64 written
+    assert set(moved.by_kind) == set(BYTE_KINDS)
+    assert moved.by_kind == {"cast": 2 * (128 + 64), "optimizer": 5 * 64, "norm": 0, "elementwise": 256}
+    assert moved.total == sum(moved.by_kind.values())
+
+
+def test_fused_sgd_option_builds_fused_optimizers():
+    """--sgd fused gives every side SGD(fused=True) (O2: the optimizer it wraps); a bad kind is refused up front."""
+    from bench_models import build_case
+    from bench_modes import build_trainer
+
+    case = build_case("mlp", preset="quick")
+    for mode in ("torch.autocast", "amp_fx O1", "amp_fx O2"):
+        trainer = build_trainer(mode, case.model, case.inputs, "cpu", torch.bfloat16, "aot_eager", "fused")
+        inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        assert inner.param_groups[0]["fused"] is True, mode
+    with pytest.raises(ValueError, match="sgd must be one of"):
+        build_trainer("fp32", case.model, case.inputs, "cpu", torch.bfloat16, "aot_eager", "loop")
 
 
 @pytest.mark.parametrize("mode", ["amp_fx O1", "amp_fx O2"])
