@@ -6,7 +6,9 @@ so absolute times from different moments do not compare.  Modes are run in
 order, so no mode always follows the same neighbour), and each mode's time
 in a round is divided by its baseline's time *in the same round*.  The
 reported ratio is the median of those per-round ratios; its spread is the
-range between the lower and upper quartile of them.
+range between the lower and upper quartile of them.  ``--clock cpu`` times
+with this process's CPU time instead of elapsed time: under other jobs' load
+a 1-thread CPU step's wall time grows several-fold, its CPU time hardly.
 
 Peak memory.  On CUDA: ``torch.cuda.max_memory_allocated`` over one step.
 On CPU no allocator keeps a peak, and ``tracemalloc`` cannot see tensor
@@ -56,7 +58,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CastCounter", "ByteCounter", "BYTE_KINDS", "cpu_profile", "profile_step", "is_gemm", "state_bytes", "RoundTimer", "ModeStats", "spread"]
+__all__ = ["CastCounter", "ByteCounter", "BYTE_KINDS", "cpu_profile", "profile_step", "is_gemm", "state_bytes", "RoundTimer", "ModeStats", "spread", "CLOCKS"]
 
 
 class CastCounter(TorchDispatchMode):
@@ -243,12 +245,24 @@ class ModeStats:
         return statistics.median(self.per_round)
 
 
-class RoundTimer:
-    """Time named step functions in interleaved rounds; ratios are taken within a round."""
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
-    def __init__(self, steps: dict[str, Callable[[], Any]], sync: Callable[[], None] = lambda: None):
+
+class RoundTimer:
+    """Time named step functions in interleaved rounds; ratios are taken within a round.
+
+    ``clock``: ``"wall"`` (elapsed time, the default) or ``"cpu"`` (this process's CPU
+    time: on a machine shared with other jobs it leaves out the time they hold the
+    cores, which wall time counts; CPU steps at 1 thread only, since it adds up threads).
+    """
+
+    def __init__(self, steps: dict[str, Callable[[], Any]], sync: Callable[[], None] = lambda: None,
+                 clock: str = "wall"):
+        if clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {tuple(CLOCKS)}, got {clock!r}")
         self.steps = steps
         self.sync = sync
+        self.clock = CLOCKS[clock]
         self.stats = {name: ModeStats() for name in steps}
 
     def run(self, rounds: int, repeats: int, on_round: Optional[Callable[[int], None]] = None) -> None:
@@ -259,10 +273,10 @@ class RoundTimer:
                 times = []
                 for _ in range(repeats):
                     self.sync()
-                    start = time.perf_counter()
+                    start = self.clock()
                     self.steps[name]()
                     self.sync()
-                    times.append(time.perf_counter() - start)
+                    times.append(self.clock() - start)
                 self.stats[name].per_round.append(statistics.median(times))
             if on_round is not None:
                 on_round(r)

@@ -64,6 +64,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--profile-rounds", type=int, default=None,
                         help="profiled rounds for memory and the GEMM split (default 5, quick 3)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (compiles the compiled modes)")
+    parser.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                        help="wall: elapsed time (default); cpu: this process's CPU time, which leaves out the time other "
+                             "jobs hold a shared machine's cores (CPU, 1 thread)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1: a shared machine)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few rounds, aot_eager compiles")
     parser.add_argument("--preset", default=None, choices=PRESETS, help="model sizes (default full; quick with --quick)")
@@ -111,6 +114,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         if needed not in modes:
             modes.append(needed)  # ratios need their baseline
     args.mode_list = [m for m in MODES if m in modes]
+    if args.clock == "cpu" and (args.device != "cpu" or args.threads != 1):
+        parser.error("--clock cpu times 1-thread CPU steps only (CPU time adds up threads and misses GPU work)")
     return args
 
 
@@ -138,7 +143,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
             rows[mode]["moved"] = moved.by_kind
     _profile_rounds(trainers, rows, args)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    timer = RoundTimer({m: t.step for m, t in trainers.items()}, sync)
+    timer = RoundTimer({m: t.step for m, t in trainers.items()}, sync, args.clock)
     timer.run(args.rounds, args.repeats)
     for mode in trainers:
         baseline = MODES[mode][1]
@@ -309,7 +314,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         try:
             print(f"torch {torch.__version__}, device {args.device}, dtype {args.dtype}, {args.threads} thread(s), "
                   f"{args.rounds} rounds x {args.repeats} steps, compile backend {args.inner}, {args.preset} sizes, "
-                  f"SGD({args.sgd}=True)"
+                  f"SGD({args.sgd}=True), {args.clock} clock"
                   f"{', inductor caches off' if not args.warm_cache else ''}", flush=True)
             if args.device == "cpu":
                 print(cpu_capability(), flush=True)

@@ -13,7 +13,7 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 sys.path.insert(0, BENCHMARKS)
 
 import benchmark  # noqa: E402
-from bench_measure import BYTE_KINDS, ByteCounter, CastCounter  # noqa: E402
+from bench_measure import BYTE_KINDS, ByteCounter, CastCounter, RoundTimer  # noqa: E402
 from bench_modes import MODES  # noqa: E402
 
 
@@ -73,6 +73,46 @@ def test_byte_counter_counts_reads_and_writes_of_non_gemm_kernels():
     assert set(moved.by_kind) == set(BYTE_KINDS)
     assert moved.by_kind == {"cast": 2 * (128 + 64), "optimizer": 5 * 64, "norm": 0, "elementwise": 256}
     assert moved.total == sum(moved.by_kind.values())
+
+
+def test_cpu_clock_times_this_process_only():
+    """--clock cpu: a step that sleeps (another job holding the core, as far as this process sees) costs ~0 CPU time."""
+    import time
+
+    steps = {"sleep": lambda: time.sleep(0.02), "work": lambda: torch.randn(256, 256).mm(torch.randn(256, 256))}
+    timer = RoundTimer(steps, clock="cpu")
+    timer.run(rounds=2, repeats=1)
+    assert timer.stats["sleep"].median < 0.01
+    wall = RoundTimer({"sleep": steps["sleep"]})
+    wall.run(rounds=1, repeats=1)
+    assert wall.stats["sleep"].median >= 0.02
+    with pytest.raises(ValueError, match="clock must be one of"):
+        RoundTimer(steps, clock="gpu")
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--clock", "cpu", "--threads", "2"])
+
+
+def test_one_pass_o2_prototype_steps_like_master_weight_optimizer():
+    """The lever-2 prototype (bench_o2_step --one-pass) updates masters and bf16 parameters as O2's SGD does."""
+    import bench_o2_step
+
+    torch.manual_seed(0)
+    base = bench_o2_step.make_mlp(32, 2)
+    data = (torch.randn(4, 32), torch.randn(4, 32))
+    o2 = bench_o2_step.build_modes(base, data, "sgd", sgd_impl="fused")["O2"]
+    one_pass = bench_o2_step.OnePassO2(base, {"lr": 1e-2, "momentum": 0.9}, data, backend="aot_eager")
+    for group in o2.opt.param_groups:
+        group["lr"] = 1e-2
+    for _ in range(3):
+        o2.step()
+        one_pass.step()
+    masters = list(o2.opt.master_parameters())
+    assert len(masters) == len(one_pass.masters) == 8
+    for ours, theirs in zip(one_pass.masters, masters):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)  # fp32 update: only fused-FMA rounding apart
+    for ours, theirs in zip(one_pass.lows, o2.module.parameters()):
+        assert ours.dtype == theirs.dtype
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=8e-3, atol=1e-6)  # one bf16 rounding apart
 
 
 def test_fused_sgd_option_builds_fused_optimizers():
