@@ -7,6 +7,7 @@ Run from a checkout::
     python benchmarks/benchmark.py --model transformer --no-compile --rounds 15
     python benchmarks/benchmark.py --device cuda --dtype fp16
     python benchmarks/benchmark.py --preset issue14 --model mlp,gpt --accumulation-only --rounds 15
+    python benchmarks/benchmark.py --preset issue14 --sgd fused --clock cpu   # a shared machine: CPU-time clock
 
 For every model (MLP, CNN with BatchNorm, transformer encoder, GPT decoder
 with tied embeddings) and every mode (fp32, torch.autocast, amp_fx O1/O2/O3
@@ -15,7 +16,8 @@ prints one table: median step time; the ratio to autocast in the same world
 (eager or compiled; median of per-round ratios and its quartiles); the
 share of op time in GEMM/convolution/attention kernels, which autocast and
 amp_fx run identically, and the ratio of the rest to autocast's; peak memory
-of the step; cast kernels per step; convert and compile time.  Each table is
+of the step; cast kernels per step; the bytes non-GEMM kernels read and
+write per step, by kind (``ByteCounter``); convert and compile time.  Each table is
 followed by the issue-7 targets that apply to it, met or missed.  How the
 figures are taken is documented in ``bench_measure`` (timing, memory, GEMM
 split, casts) and ``bench_modes`` (what a step is).  Then it measures
