@@ -6,7 +6,9 @@ so absolute times from different moments do not compare.  Modes are run in
 order, so no mode always follows the same neighbour), and each mode's time
 in a round is divided by its baseline's time *in the same round*.  The
 reported ratio is the median of those per-round ratios; its spread is the
-range between the lower and upper quartile of them.
+range between the lower and upper quartile of them.  ``--clock cpu`` times
+with this process's CPU time instead of elapsed time: under other jobs' load
+a 1-thread CPU step's wall time grows several-fold, its CPU time hardly.
 
 Peak memory.  On CUDA: ``torch.cuda.max_memory_allocated`` over one step.
 On CPU no allocator keeps a peak, and ``tracemalloc`` cannot see tensor
@@ -34,6 +36,16 @@ kernels that change a tensor's floating dtype: ``aten._to_copy`` (what
 dtypes, ``prims.convert_element_type`` -- in forward, backward and the
 optimizer step alike.  Compiled modes are not counted: their casts are
 fused into generated kernels and never reach the dispatcher.
+
+Bytes.  :class:`ByteCounter` (a ``TorchDispatchMode`` too) adds up the bytes
+every non-GEMM kernel of the step reads and writes -- casts, the optimizer
+and the scaler, norms, elementwise ops -- by kind.  It does not depend on the
+CPU: it is the figure to drive down where bf16 is emulated (AVX2), and the one
+that explains the time ratios where it is native.  Reads are the tensor
+arguments' bytes, writes the outputs' (an in-place or ``out=`` kernel reads
+and writes its target); views, allocations of uninitialised memory and
+metadata ops move no data and count nothing.  Kernels fused in generated code
+(compiled modes) never reach the dispatcher, so those modes are not counted.
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CastCounter", "cpu_profile", "profile_step", "is_gemm", "state_bytes", "RoundTimer", "ModeStats", "spread"]
+__all__ = ["CastCounter", "ByteCounter", "BYTE_KINDS", "cpu_profile", "profile_step", "is_gemm", "state_bytes", "RoundTimer", "ModeStats", "spread", "CLOCKS"]
 
 
 class CastCounter(TorchDispatchMode):
@@ -73,6 +85,83 @@ class CastCounter(TorchDispatchMode):
             self.count += 1
             self.bytes += changed.numel() * changed.element_size()
             self.by_op[name] = self.by_op.get(name, 0) + 1
+        return out
+
+
+# Ops that move no tensor data: views, metadata, fresh uninitialised memory.
+_NO_DATA = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "as_strided", "detach", "alias", "slice",
+            "select", "unsqueeze", "squeeze", "reshape", "empty", "empty_like", "empty_strided", "new_empty",
+            "new_empty_strided", "lift_fresh", "_local_scalar_dense", "is_same_size", "split", "split_with_sizes",
+            "unbind", "chunk", "narrow", "diagonal", "numpy_T", "view_as", "unflatten", "flatten", "sym_size",
+            "sym_stride", "sym_numel", "sym_storage_offset", "set_", "_has_compatible_shallow_copy_type"}
+_WRITE_ONLY = {"copy_", "_foreach_copy_", "zero_", "_foreach_zero_", "fill_"}
+BYTE_KINDS = ("cast", "optimizer", "norm", "elementwise")
+
+
+def _tensors(value: Any) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key not in seen and t.device.type != "meta":
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _byte_kind(name: str, args: tuple) -> str:
+    if name in ("_to_copy", "to", "convert_element_type"):
+        return "cast"
+    if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor) and args[0].dtype != args[1].dtype:
+        return "cast"
+    if name.startswith(("_foreach_", "_fused_", "_amp_")):
+        return "optimizer"
+    if "norm" in name:
+        return "norm"
+    return "elementwise"
+
+
+class ByteCounter(TorchDispatchMode):
+    """Bytes read and written by every non-GEMM kernel while active, by kind (:data:`BYTE_KINDS`).
+
+    Not counted: GEMM, convolution and attention kernels (the same work in every mode), and
+    kernels that move no data (views, ``empty``).  Each kernel's read bytes are its distinct
+    tensor arguments' sizes, its written bytes its outputs' (an in-place kernel both reads and
+    writes its target); a kernel that reads only part of an argument is over-counted alike in
+    every mode.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_kind: dict[str, int] = {kind: 0 for kind in BYTE_KINDS}
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = getattr(func, "overloadpacket", None)
+        name = getattr(packet, "__name__", str(func))
+        if name in _NO_DATA or is_gemm(f"aten::{name}"):
+            return out
+        overwritten = args[:1] if name in _WRITE_ONLY else ()  # a target these kernels never read
+        read = _nbytes(_tensors((args[len(overwritten):], tuple(kwargs.values()))))
+        if name.startswith("_fused_"):  # (params, grads, state...): everything but the gradients is updated
+            written = _nbytes(_tensors((args[0], args[2:])))
+        elif name.endswith("_") or "out" in kwargs:  # in place / out=
+            written = _nbytes(_tensors(args[:1])) + _nbytes(_tensors(kwargs.get("out")))
+        else:
+            written = _nbytes(_tensors(out))
+        self.by_kind[_byte_kind(name, args)] += read + written
         return out
 
 
@@ -156,12 +245,24 @@ class ModeStats:
         return statistics.median(self.per_round)
 
 
-class RoundTimer:
-    """Time named step functions in interleaved rounds; ratios are taken within a round."""
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
-    def __init__(self, steps: dict[str, Callable[[], Any]], sync: Callable[[], None] = lambda: None):
+
+class RoundTimer:
+    """Time named step functions in interleaved rounds; ratios are taken within a round.
+
+    ``clock``: ``"wall"`` (elapsed time, the default) or ``"cpu"`` (this process's CPU
+    time: on a machine shared with other jobs it leaves out the time they hold the
+    cores, which wall time counts; CPU steps at 1 thread only, since it adds up threads).
+    """
+
+    def __init__(self, steps: dict[str, Callable[[], Any]], sync: Callable[[], None] = lambda: None,
+                 clock: str = "wall"):
+        if clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {tuple(CLOCKS)}, got {clock!r}")
         self.steps = steps
         self.sync = sync
+        self.clock = CLOCKS[clock]
         self.stats = {name: ModeStats() for name in steps}
 
     def run(self, rounds: int, repeats: int, on_round: Optional[Callable[[int], None]] = None) -> None:
@@ -172,10 +273,10 @@ class RoundTimer:
                 times = []
                 for _ in range(repeats):
                     self.sync()
-                    start = time.perf_counter()
+                    start = self.clock()
                     self.steps[name]()
                     self.sync()
-                    times.append(time.perf_counter() - start)
+                    times.append(self.clock() - start)
                 self.stats[name].per_round.append(statistics.median(times))
             if on_round is not None:
                 on_round(r)

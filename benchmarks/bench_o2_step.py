@@ -35,6 +35,15 @@ copy with the same optimizer class and learning rate:
   norms in bf16, as CPU autocast runs them. Not a recommendation; it
   measures what O2's fp32 norms cost against autocast.
 
+With ``--one-pass`` (SGD only) one more mode, a prototype that amp_fx does
+not ship: ``O2 one pass`` checks the module's bf16 gradients for inf/NaN and
+then updates momentum, fp32 master and bf16 parameter in one inductor-compiled
+pass that reads the bf16 gradients as they are (no fp32 gradient copies, no
+separate copy back): what issue 41's "update and low-precision copy in one
+pass over memory" would buy on this CPU. It compiles (tens of seconds) before
+the rounds. ``--sgd-impl fused`` makes the autocast baseline's SGD
+``fused=True`` (torch's fastest SGD on CPU) instead of ``foreach=True``.
+
 Timing: modes run in interleaved rounds (rotated order), ``repeats`` steps
 each; a mode's time in a round is the median of its steps, divided by the
 baseline's in the same round; the table gives the median of those per-round
@@ -113,9 +122,53 @@ class Mode:
         return int(getattr(self.scaler, "skipped_steps", 0) or 0)
 
 
-def build_modes(base: nn.Module, data: tuple, optimizer: str) -> dict[str, Mode]:
+class OnePassO2(Mode):
+    """Prototype (SGD with momentum): O2 with the update and the bf16 copy in one compiled pass (module docstring)."""
+
+    def __init__(self, base: nn.Module, options: dict, data: tuple, backend: str = "inductor") -> None:
+        gm = amp_fx.convert(copy.deepcopy(base), "O2", dtype=torch.bfloat16)
+        super().__init__(gm, None, None, False, data)
+        named = [(n, p) for n, p in gm.named_parameters() if p.requires_grad]
+        originals = getattr(gm, "amp_fx_masters", None) or {}  # the fp32 values the bf16 parameters were cast from
+        self.lows = [p for _, p in named]
+        # (fp32 norms: their own master, written twice)
+        self.masters = [originals.get(n, p).detach().float().clone() for n, p in named]
+        self.bufs = [torch.zeros_like(m) for m in self.masters]
+        self.lr, self.momentum = options["lr"], options["momentum"]
+        self.found, self.one = torch.zeros(()), torch.ones(())
+
+        def update(masters: list, grads: list, bufs: list, lows: list, lr: float, momentum: float) -> None:
+            for master, grad, buf, low in zip(masters, grads, bufs, lows):
+                new_buf = buf * momentum + grad.float()  # (buf starts at 0: the first step's buf = grad, as torch's)
+                new_master = master - lr * new_buf
+                buf.copy_(new_buf)
+                master.copy_(new_master)
+                low.copy_(new_master)
+
+        self.update = torch.compile(update, backend=backend, fullgraph=True, dynamic=False)
+
+    def step(self) -> None:
+        x, y = self.data
+        for p in self.lows:
+            p.grad = None
+        loss = F.mse_loss(self.module(x).float(), y)
+        loss.backward()
+        start = clock()
+        grads = [p.grad for p in self.lows]
+        self.found.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found, self.one)  # bf16: no scale, the check only
+        if not self.found.item():
+            with torch.no_grad():
+                self.update(self.masters, grads, self.bufs, [p.data for p in self.lows], self.lr, self.momentum)
+        self.last_update = clock() - start
+
+
+def build_modes(base: nn.Module, data: tuple, optimizer: str, one_pass: bool = False,
+                sgd_impl: str = "foreach") -> dict[str, Mode]:
     """Every mode on its own deep copy of ``base``."""
     cls, options, faster = OPTIMIZERS[optimizer]
+    if optimizer == "sgd":
+        faster = {sgd_impl: True}
     modes: dict[str, Mode] = {}
     names = [BASELINE, "autocast", "O1 fused", "O2", "O2 fresh grads", "O2 fp32 accum", "O2 loop", "O2 bf16 norms"]
     if optimizer == "sgd":
@@ -139,6 +192,10 @@ def build_modes(base: nn.Module, data: tuple, optimizer: str) -> dict[str, Mode]
             mw = amp_fx.MasterWeightOptimizer(cls(model.parameters(), **options, **impl), gm, keep_grad_buffers=keep,
                                               fp32_grad_accumulation=name == "O2 fp32 accum")
             modes[name] = Mode(gm, mw, amp_fx.LossScaler(dtype=torch.bfloat16), False, data)
+    if one_pass:
+        if optimizer != "sgd":
+            raise SystemExit("--one-pass is a prototype for SGD with momentum only")
+        modes["O2 one pass"] = OnePassO2(base, options, data)
     return modes
 
 
@@ -176,6 +233,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1: a shared machine)")
+    parser.add_argument("--one-pass", action="store_true",
+                        help="SGD: add the prototype 'O2 one pass' (update + bf16 copy in one compiled pass; docstring)")
+    parser.add_argument("--sgd-impl", default="foreach", choices=("foreach", "fused"),
+                        help="SGD: the autocast baseline's implementation (fused: torch's fastest on CPU)")
     parser.add_argument("--clock", default="cpu", choices=tuple(CLOCKS),
                         help="cpu: this process's CPU time (default: on a shared machine it leaves out the time other "
                              "processes hold the cores); wall: elapsed time")
@@ -186,11 +247,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     torch.manual_seed(0)
     base = make_mlp(args.width, args.depth)
     data = (torch.randn(args.batch, args.width), torch.randn(args.batch, args.width))
-    modes = build_modes(base, data, args.optimizer)
+    modes = build_modes(base, data, args.optimizer, args.one_pass, args.sgd_impl)
     inner = modes["O2"].opt.param_groups[0]
     print(f"torch {torch.__version__}, {args.threads} thread(s); {cpu_capability()}")
     print(f"torch.ops.mkldnn._is_mkldnn_bf16_supported() = {torch.ops.mkldnn._is_mkldnn_bf16_supported()}; "
-          f"baseline: {BASELINE} ({OPTIMIZERS[args.optimizer][2]})")
+          f"baseline: {BASELINE} ({({args.sgd_impl: True} if args.optimizer == 'sgd' else OPTIMIZERS[args.optimizer][2])})")
     print(f"MLP {args.depth} x (Linear {args.width}->GELU->LayerNorm), {sum(p.numel() for p in base.parameters())} parameters, "
           f"batch {args.batch}, bf16, {args.optimizer}; O2's inner step: foreach={inner['foreach']} "
           f"fused={inner.get('fused')}; {args.rounds} rounds x {args.repeats} steps; clock: {args.clock}")

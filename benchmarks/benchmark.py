@@ -7,6 +7,7 @@ Run from a checkout::
     python benchmarks/benchmark.py --model transformer --no-compile --rounds 15
     python benchmarks/benchmark.py --device cuda --dtype fp16
     python benchmarks/benchmark.py --preset issue14 --model mlp,gpt --accumulation-only --rounds 15
+    python benchmarks/benchmark.py --preset issue14 --sgd fused --clock cpu   # a shared machine: CPU-time clock
 
 For every model (MLP, CNN with BatchNorm, transformer encoder, GPT decoder
 with tied embeddings) and every mode (fp32, torch.autocast, amp_fx O1/O2/O3
@@ -15,7 +16,8 @@ prints one table: median step time; the ratio to autocast in the same world
 (eager or compiled; median of per-round ratios and its quartiles); the
 share of op time in GEMM/convolution/attention kernels, which autocast and
 amp_fx run identically, and the ratio of the rest to autocast's; peak memory
-of the step; cast kernels per step; convert and compile time.  Each table is
+of the step; cast kernels per step; the bytes non-GEMM kernels read and
+write per step, by kind (``ByteCounter``); convert and compile time.  Each table is
 followed by the issue-7 targets that apply to it, met or missed.  How the
 figures are taken is documented in ``bench_measure`` (timing, memory, GEMM
 split, casts) and ``bench_modes`` (what a step is).  Then it measures
@@ -39,9 +41,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-from bench_measure import CastCounter, RoundTimer, profile_step, spread, state_bytes  # noqa: E402
+from bench_measure import BYTE_KINDS, ByteCounter, CastCounter, RoundTimer, profile_step, spread, state_bytes  # noqa: E402
 from bench_models import MODEL_NAMES, PRESETS, build_case  # noqa: E402
-from bench_modes import COMPILED_BASELINE, EAGER_BASELINE, MODES, build_trainer, state_tensors  # noqa: E402
+from bench_modes import COMPILED_BASELINE, EAGER_BASELINE, MODES, SGD_KINDS, build_trainer, state_tensors  # noqa: E402
 from bench_scaling import convert_vs_depth, export_route  # noqa: E402
 from bench_inference import bench_inference, inference_targets, print_inference  # noqa: E402
 from bench_fused import bench_fused, print_fused  # noqa: E402
@@ -64,10 +66,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--profile-rounds", type=int, default=None,
                         help="profiled rounds for memory and the GEMM split (default 5, quick 3)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (compiles the compiled modes)")
+    parser.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                        help="wall: elapsed time (default); cpu: this process's CPU time, which leaves out the time other "
+                             "jobs hold a shared machine's cores (CPU, 1 thread)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1: a shared machine)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few rounds, aot_eager compiles")
     parser.add_argument("--preset", default=None, choices=PRESETS, help="model sizes (default full; quick with --quick)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile modes")
+    parser.add_argument("--sgd", default="foreach", choices=SGD_KINDS,
+                        help="SGD(foreach=True) (default) or SGD(fused=True), torch's fastest on CPU, on every side")
     parser.add_argument("--warm-cache", action="store_true",
                         help="let inductor reuse its on-disk caches (compile s then measures a cache hit, not a compile)")
     parser.add_argument("--inner", default=None, help="torch.compile backend (default inductor; aot_eager with --quick)")
@@ -109,6 +116,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         if needed not in modes:
             modes.append(needed)  # ratios need their baseline
     args.mode_list = [m for m in MODES if m in modes]
+    if args.clock == "cpu" and (args.device != "cpu" or args.threads != 1):
+        parser.error("--clock cpu times 1-thread CPU steps only (CPU time adds up threads and misses GPU work)")
     return args
 
 
@@ -122,7 +131,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
     """Set up, warm up, count, profile and time every mode on model ``name``; return the measurements."""
     dtype = DTYPES[args.dtype]
     case = build_case(name, preset=args.preset, device=args.device, **_overrides(args, name))
-    trainers = {m: build_trainer(m, case.model, case.inputs, args.device, dtype, args.inner) for m in args.mode_list}
+    trainers = {m: build_trainer(m, case.model, case.inputs, args.device, dtype, args.inner, args.sgd) for m in args.mode_list}
     rows: dict[str, dict] = {m: {"setup_s": t.setup_s} for m, t in trainers.items()}
     for mode, trainer in trainers.items():
         rows[mode]["first_s"] = trainer.warm_up(args.warmup)
@@ -130,12 +139,13 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
     for mode, trainer in trainers.items():
         if MODES[mode][0] == "eager":
             trainer.zero()
-            with CastCounter() as counter:
+            with CastCounter() as counter, ByteCounter() as moved:
                 trainer.work()
             rows[mode]["casts"], rows[mode]["cast_bytes"] = counter.count, counter.bytes
+            rows[mode]["moved"] = moved.by_kind
     _profile_rounds(trainers, rows, args)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    timer = RoundTimer({m: t.step for m, t in trainers.items()}, sync)
+    timer = RoundTimer({m: t.step for m, t in trainers.items()}, sync, args.clock)
     timer.run(args.rounds, args.repeats)
     for mode in trainers:
         baseline = MODES[mode][1]
@@ -175,17 +185,19 @@ def _profile_rounds(trainers: dict, rows: dict, args: argparse.Namespace) -> Non
 def _fmt_row(mode: str, row: dict) -> list[str]:
     lo, hi = row["spread"]
     casts = f"{row['casts']} ({row['cast_bytes'] / MIB:.1f} MiB)" if "casts" in row else "fused"
+    moved = ("/".join(f"{row['moved'][k] / MIB:.0f}" for k in BYTE_KINDS) + f" = {sum(row['moved'].values()) / MIB:.0f}"
+             if "moved" in row else "-")
     setup = "-" if row["setup_s"] != row["setup_s"] else f"{row['setup_s']:.2f}"
     compile_s = f"{row['first_s']:.1f}" if MODES[mode][0] == "compiled" else "-"
     note = f" ({row['skipped']} skipped)" if row["skipped"] else ""
     share = "-" if row["gemm_share"] != row["gemm_share"] else f"{100 * row['gemm_share']:.0f}%"
     other = "-" if row["other_ratio"] != row["other_ratio"] else f"{row['other_ratio']:.2f}"
     return [mode, f"{row['ms']:.1f}", f"{row['ratio']:.2f} [{lo:.2f}-{hi:.2f}]", share, other,
-            f"{row['peak_bytes'] / MIB:.2f}", casts, setup, compile_s + note]
+            f"{row['peak_bytes'] / MIB:.2f}", casts, moved, setup, compile_s + note]
 
 
-HEADER = ["mode", "ms/step", "x autocast [IQR]", "GEMM share", "non-GEMM x", "peak MiB", "casts/step", "convert s",
-          "compile s"]
+HEADER = ["mode", "ms/step", "x autocast [IQR]", "GEMM share", "non-GEMM x", "peak MiB", "casts/step",
+          "non-GEMM MiB/step: cast/optim/norm/elementwise", "convert s", "compile s"]
 
 
 def print_table(result: dict) -> None:
@@ -303,7 +315,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     with _cold_compiles() if not args.warm_cache else contextlib.nullcontext():
         try:
             print(f"torch {torch.__version__}, device {args.device}, dtype {args.dtype}, {args.threads} thread(s), "
-                  f"{args.rounds} rounds x {args.repeats} steps, compile backend {args.inner}, {args.preset} sizes"
+                  f"{args.rounds} rounds x {args.repeats} steps, compile backend {args.inner}, {args.preset} sizes, "
+                  f"SGD({args.sgd}=True), {args.clock} clock"
                   f"{', inductor caches off' if not args.warm_cache else ''}", flush=True)
             if args.device == "cpu":
                 print(cpu_capability(), flush=True)

@@ -13,7 +13,7 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 sys.path.insert(0, BENCHMARKS)
 
 import benchmark  # noqa: E402
-from bench_measure import CastCounter  # noqa: E402
+from bench_measure import BYTE_KINDS, ByteCounter, CastCounter, RoundTimer  # noqa: E402
 from bench_modes import MODES  # noqa: E402
 
 
@@ -36,6 +36,11 @@ def test_quick_run_prints_every_mode_with_sane_figures(capsys):
     assert rows["fp32"]["casts"] == 0
     assert 0 < rows["amp_fx O3"]["casts"] <= rows["amp_fx O2"]["casts"] < rows["torch.autocast"]["casts"]
     assert "convert() time vs depth" in out and "torch.export route" in out
+    # Bytes moved by non-GEMM kernels: counted for the eager modes only (compiled kernels never reach the dispatcher).
+    for mode, (group, _) in MODES.items():
+        assert ("moved" in rows[mode]) == (group == "eager"), mode
+    assert all(rows[m]["moved"]["optimizer"] > 0 for m in MODES if "moved" in rows[m])
+    assert rows["fp32"]["moved"]["cast"] == 0 < rows["torch.autocast"]["moved"]["cast"]
 
 
 def test_cast_counter_counts_only_dtype_changes():
@@ -49,6 +54,79 @@ def test_cast_counter_counts_only_dtype_changes():
         (x + 1).sum()
     assert counter.count == 2
     assert counter.bytes == 4 * 3 * 2 + 4 * 3 * 4
+
+
+def test_byte_counter_counts_reads_and_writes_of_non_gemm_kernels():
+    """A cast reads its source and writes its result; in-place ops read and write their target; copy_ only writes it;
+    a fused optimizer writes what it updates, not the gradients; GEMMs and views count nothing."""
+    x, w = torch.randn(8, 4), torch.randn(4, 4)
+    dst = torch.empty(8, 4, dtype=torch.bfloat16)
+    params, grads, bufs = [torch.randn(16)], [torch.randn(16)], [torch.zeros(16)]
+    with ByteCounter() as moved:
+        x.to(torch.bfloat16)  # cast: 128 read + 64 written
+        dst.copy_(x)  # cast: 128 read + 64 written (dst not read)
+        x.mm(w)  # GEMM: nothing
+        x.t().view(4, 8)  # views: nothing
+        x.mul_(2.0)  # elementwise: 128 read + 128 written
+        torch._fused_sgd_(params, grads, bufs, weight_decay=0.0, momentum=0.9, lr=0.1, dampening=0.0,
+                          nesterov=False, maximize=False, is_first_step=False)  # 3 x 64 read + 2 x 64 written
+    assert set(moved.by_kind) == set(BYTE_KINDS)
+    assert moved.by_kind == {"cast": 2 * (128 + 64), "optimizer": 5 * 64, "norm": 0, "elementwise": 256}
+    assert moved.total == sum(moved.by_kind.values())
+
+
+def test_cpu_clock_times_this_process_only():
+    """--clock cpu: a step that sleeps (another job holding the core, as far as this process sees) costs ~0 CPU time."""
+    import time
+
+    steps = {"sleep": lambda: time.sleep(0.02), "work": lambda: torch.randn(256, 256).mm(torch.randn(256, 256))}
+    timer = RoundTimer(steps, clock="cpu")
+    timer.run(rounds=2, repeats=1)
+    assert timer.stats["sleep"].median < 0.01
+    wall = RoundTimer({"sleep": steps["sleep"]})
+    wall.run(rounds=1, repeats=1)
+    assert wall.stats["sleep"].median >= 0.02
+    with pytest.raises(ValueError, match="clock must be one of"):
+        RoundTimer(steps, clock="gpu")
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--clock", "cpu", "--threads", "2"])
+
+
+def test_one_pass_o2_prototype_steps_like_master_weight_optimizer():
+    """The lever-2 prototype (bench_o2_step --one-pass) updates masters and bf16 parameters as O2's SGD does."""
+    import bench_o2_step
+
+    torch.manual_seed(0)
+    base = bench_o2_step.make_mlp(32, 2)
+    data = (torch.randn(4, 32), torch.randn(4, 32))
+    o2 = bench_o2_step.build_modes(base, data, "sgd", sgd_impl="fused")["O2"]
+    one_pass = bench_o2_step.OnePassO2(base, {"lr": 1e-2, "momentum": 0.9}, data, backend="aot_eager")
+    for group in o2.opt.param_groups:
+        group["lr"] = 1e-2
+    for _ in range(3):
+        o2.step()
+        one_pass.step()
+    masters = list(o2.opt.master_parameters())
+    assert len(masters) == len(one_pass.masters) == 8
+    for ours, theirs in zip(one_pass.masters, masters):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)  # fp32 update: only fused-FMA rounding apart
+    for ours, theirs in zip(one_pass.lows, o2.module.parameters()):
+        assert ours.dtype == theirs.dtype
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=8e-3, atol=1e-6)  # one bf16 rounding apart
+
+
+def test_fused_sgd_option_builds_fused_optimizers():
+    """--sgd fused gives every side SGD(fused=True) (O2: the optimizer it wraps); a bad kind is refused up front."""
+    from bench_models import build_case
+    from bench_modes import build_trainer
+
+    case = build_case("mlp", preset="quick")
+    for mode in ("torch.autocast", "amp_fx O1", "amp_fx O2"):
+        trainer = build_trainer(mode, case.model, case.inputs, "cpu", torch.bfloat16, "aot_eager", "fused")
+        inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        assert inner.param_groups[0]["fused"] is True, mode
+    with pytest.raises(ValueError, match="sgd must be one of"):
+        build_trainer("fp32", case.model, case.inputs, "cpu", torch.bfloat16, "aot_eager", "loop")
 
 
 @pytest.mark.parametrize("mode", ["amp_fx O1", "amp_fx O2"])
