@@ -15,6 +15,10 @@ from amp_fx.converter.graph_module import AmpGraphModule
 from amp_fx.ir.policy import Policy
 from amp_fx.converter.report import ConversionReport, NodeRecord
 from amp_fx.frontend.tracing import AmpTraceError
+from amp_fx.converter import call_capture as _call_capture
+
+# convert()'s capture-from-the-call route runs amp_fx's Dynamo backend, a layer above the converter's.
+_call_capture.provide_backend(backend)
 
 # Public names that live in modules with heavier imports (networkx, Dynamo,
 # the runtime): loaded on first use, so ``import amp_fx`` stays light.
