@@ -132,3 +132,21 @@ class GemmFlops(TorchDispatchMode):
     def low_share(self, dtype: torch.dtype = torch.bfloat16) -> float:
         """The share of GEMM FLOPs that ran in ``dtype`` (0 when no GEMM ran)."""
         return self.flops.get(dtype, 0) / self.total if self.total else 0.0
+
+
+def captured_because(model, *fragments, level="O1", **convert_kwargs):
+    """``convert(model)`` where no whole graph exists: it captures from the call, and its report keeps the
+    whole-graph capture's error, which names every fragment (the construct, its line, the ways out).
+
+    Returns the converted module and that error's text.
+    """
+    import amp_fx
+
+    converted = amp_fx.convert(model, level, **convert_kwargs)
+    report = converted.amp_report
+    assert report.route == "dynamo", report.route
+    message = report.trace_failure
+    missing = [fragment for fragment in fragments if fragment not in message]
+    assert not missing, (missing, message)
+    assert all(line in str(report) for line in message.splitlines())  # print(report) shows it
+    return converted, message

@@ -39,7 +39,7 @@ __all__ = ["convert"]
 
 
 # Refusals that capture from the call would not lift: the model's meaning itself is at stake, not the capture.
-_KEPT_REFUSALS = frozenset({"legacy torch.nn.utils.weight_norm"})
+_KEPT_REFUSALS = frozenset({"legacy torch.nn.utils.weight_norm", "global module hooks", "register_backward_hook"})
 
 
 def _check_model(model: Any) -> None:

@@ -32,6 +32,7 @@ cannot import it.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -40,12 +41,13 @@ import torch.utils._pytree as pytree
 
 from amp_fx.converter.graph_module import (ROUTE_ATTR, _load_sources, _restore_source_dtypes, _shallow_clone,
                                            attach_masters)
+from amp_fx.converter.live_hooks import RECIPE_ATTR
 from amp_fx.graph_ops.master_sync import sync_masters
 from amp_fx.ir.config import AmpConfig
 from amp_fx.ir.policy import Policy
 from amp_fx.errors import PACKAGE, AmpRuntimeError
 
-__all__ = ["CALL_ROUTE", "CapturedReport", "capture_from_call", "provide_backend", "is_captured"]
+__all__ = ["CALL_ROUTE", "CapturedReport", "capture_from_call", "call_route", "provide_backend", "is_captured"]
 
 CALL_ROUTE = "dynamo"  # the route name reports and ``amp_fx_route`` give this route
 _CAPTURED_ATTR = "_amp_fx_captured_call"  # on the copy: its CapturedCall (None at O0)
@@ -233,6 +235,33 @@ def capture_from_call(model: nn.Module, config: AmpConfig, policy: Policy, why: 
         clone._register_state_dict_hook(_restore_source_dtypes)
         clone._register_load_state_dict_pre_hook(_load_sources, with_module=True)
     return clone
+
+
+# converted GraphModule -> the captured copy that serves the calls its graph cannot (out of its __dict__: a
+# deepcopy or pickle of the module does not take the copy's compiled code along; a copy builds its own)
+_CALL_ROUTES: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
+
+
+def call_route(gm: nn.Module, why: str) -> nn.Module:
+    """The captured copy of ``gm``'s model that serves the calls ``gm``'s graph cannot, on ``gm``'s own parameters.
+
+    Built at the first such call (``why`` says which) and kept: a Python number where the graph traced a tensor,
+    arguments the graph's signature does not take, a method of the model (``generate()``) that calls ``self``.
+    """
+    route = _CALL_ROUTES.get(gm)
+    if route is None:
+        recipe = gm.__dict__.get(RECIPE_ATTR)
+        model = getattr(recipe, "model", None)
+        if model is None:
+            raise AmpRuntimeError(f"{PACKAGE}: {why}, and this converted module no longer knows its model "
+                                  "(unpickled): convert the model again")
+        policy = Policy.coerce((getattr(recipe, "options", None) or {}).get("policy"))
+        route = capture_from_call(model, gm.amp_config, policy, why, parameters_from=gm)
+        route.train(gm.training)
+        _CALL_ROUTES[gm] = route
+    elif route.training != gm.training:
+        route.train(gm.training)
+    return route
 
 
 def is_captured(module: Any) -> bool:
