@@ -32,6 +32,7 @@ cannot import it.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Callable, Optional
 
@@ -47,7 +48,7 @@ from amp_fx.ir.config import AmpConfig
 from amp_fx.ir.policy import Policy
 from amp_fx.errors import PACKAGE, AmpRuntimeError
 
-__all__ = ["CALL_ROUTE", "CapturedReport", "capture_from_call", "call_route", "provide_backend", "is_captured"]
+__all__ = ["CALL_ROUTE", "CapturedReport", "capture_from_call", "call_route", "method_of", "provide_backend", "is_captured"]
 
 CALL_ROUTE = "dynamo"  # the route name reports and ``amp_fx_route`` give this route
 _CAPTURED_ATTR = "_amp_fx_captured_call"  # on the copy: its CapturedCall (None at O0)
@@ -262,6 +263,26 @@ def call_route(gm: nn.Module, why: str) -> nn.Module:
     elif route.training != gm.training:
         route.train(gm.training)
     return route
+
+
+def method_of(gm: nn.Module, name: str) -> Callable:
+    """The model's method ``name`` on ``gm``'s captured copy, run as the code between its graphs runs.
+
+    Where it calls ``self(...)`` (``generate()``) that call runs the captured graphs; its own ops (an ``encode()``
+    that calls a layer directly) get autocast's decisions at O1, and run on the low parameters at O2/O3.
+    """
+    route = call_route(gm, f"{type(gm).__name__}.{name} is a method the graph does not hold")
+    method = getattr(route, name)
+    call = route.__dict__.get(_CAPTURED_ATTR)
+    if call is None or not call.between_graphs:
+        return method
+
+    @functools.wraps(method)
+    def decided(*args: Any, **kwargs: Any) -> Any:
+        with _between_graphs(args, kwargs, call.low_dtype):
+            return method(*args, **kwargs)
+
+    return decided
 
 
 def is_captured(module: Any) -> bool:

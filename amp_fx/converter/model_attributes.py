@@ -13,7 +13,8 @@ attribute 'encode'`` does not say why.  Here:
 * a method (``generate()``, ``save_pretrained``) is the model's own, bound to a
   copy of the model captured from the call on the converted module's
   parameters (:mod:`amp_fx.converter.call_capture`): where it calls
-  ``self(...)`` that call runs mixed precision;
+  ``self(...)`` that call runs mixed precision, and its own ops are decided
+  as the code between captured graphs is;
 * a tensor that is no parameter or buffer, a submodule, or another property is
   refused with an :class:`~amp_fx.errors.AmpAttributeError` that says what the
   converted module runs and how to reach the rest.
@@ -76,9 +77,9 @@ def model_attribute(module: nn.Module, name: str) -> Any:
     elif callable(static) and not isinstance(static, (staticmethod, classmethod)):
         # A method (generate(), encode()): the model's own, bound to a captured copy of the model on this module's
         # parameters, so the ``self(...)`` it calls runs mixed precision (converter/call_capture.py).
-        from amp_fx.converter.call_capture import call_route
+        from amp_fx.converter.call_capture import method_of
 
-        return getattr(call_route(module, f"{kind}.{name} is a method the graph does not hold"), name)
+        return method_of(module, name)
     if callable(static) or isinstance(static, (staticmethod, classmethod, property)):
         what = f"{name!r} is a method of {kind}" if not isinstance(static, property) else f"{name!r} is a property of {kind}"
         raise AmpAttributeError(
