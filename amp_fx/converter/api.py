@@ -33,7 +33,7 @@ from amp_fx.converter.specialisations import attach_specialisations
 from amp_fx.ir.policy import Policy
 from amp_fx.frontend.module_hooks import CALLED_ATTR
 from amp_fx.frontend.tracing import _TRACE_LOCK, DEFAULTS_ATTR, AmpTraceError, trace_model
-from amp_fx.converter.call_capture import capture_from_call
+from amp_fx.converter.call_capture import capture_from_call, is_captured
 
 __all__ = ["convert"]
 
@@ -138,6 +138,8 @@ def _reconvert(model: AmpGraphModule, config: AmpConfig) -> AmpGraphModule:
             f"this module was already converted at {previous.level} ({previous.low_dtype}); converting it again "
             f"at {config.level} ({config.low_dtype}) would stack casts. Convert the original model instead."
         )
+    if is_captured(model):  # captured from the call: it is its own conversion
+        return model
     result = copy.copy(model)
     report = copy.deepcopy(model.amp_report)
     report.notes.append("already converted with this configuration: nothing changed")
@@ -246,7 +248,7 @@ def convert(
     _check_inputs(example_inputs, example_kwarg_inputs)
     config, device = _config_for(model, options)
     policy = _policy_for(policy, config)
-    if isinstance(model, AmpGraphModule) and hasattr(model, "amp_config"):
+    if isinstance(model, AmpGraphModule) and hasattr(model, "amp_config") or is_captured(model):
         return _reconvert(model, config)
     _check_names(model, policy, leaf_modules)
     try:

@@ -137,3 +137,23 @@ def test_initialize_trains_the_captured_model(case, level):
     else:  # O3 trains the low copies the optimizer was re-pointed at
         assert any(not torch.equal(p.detach().float(), before[n].to(p.dtype).float())
                    for n, p in module.named_parameters())
+
+
+def test_a_captured_module_converted_again_is_itself_or_refused():
+    model = CASES[3].build()
+    converted = amp_fx.convert(model, "O1")
+    assert amp_fx.convert(converted, "O1") is converted
+    with pytest.raises(amp_fx.AlreadyConvertedError):
+        amp_fx.convert(converted, "O2")
+
+
+def test_the_report_lists_graphs_and_breaks_and_says_why():
+    model = CASES[5].build()  # .item() inside a submodule breaks the graph
+    converted = amp_fx.convert(model, "O1")
+    assert len(converted.amp_report.graphs) == 0  # nothing captured before the first call
+    converted(*CASES[5].inputs(1)[0])
+    report = converted.amp_report
+    assert len(report.graphs) >= 2 and len(report.breaks) >= 1
+    text = str(report)
+    assert "captured from the call with Dynamo" in text and "Tensor.item()" in text and "int(proxy)" not in text
+    assert "whole-graph capture failed" in text and report.totals()["graphs"] == len([g for g in report.graphs if g.region is None])
