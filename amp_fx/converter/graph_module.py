@@ -100,7 +100,8 @@ def _shallow_clone(module: nn.Module, memo: dict[int, nn.Module], originals: Opt
     """
     if id(module) in memo:
         return memo[id(module)]
-    clone = copy.copy(module)
+    clone = type(module).__new__(type(module))  # copy.copy without __getstate__ (a parametrized module refuses it)
+    clone.__dict__.update(module.__dict__)
     memo[id(module)] = clone
     for key, value in module.__dict__.items():
         # _parameters, _buffers, hook dicts, RNN's _flat_weights: new containers, same tensors
