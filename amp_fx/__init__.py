@@ -50,6 +50,8 @@ _LAZY = {
     "fp8_report": ".inspection.fp8_view",
     "track_fp8": ".inspection.fp8_view",
     "explain": ".inspection.explain",
+    # convert()'s report where the model was captured from its calls (docs/tracing.md)
+    "CapturedReport": ".converter.call_capture",
     "Fp8NothingConvertedWarning": ".ir.fp8_rules",
     # cache_casts=True: drop cached weight casts after a write through p.data
     "clear_cast_cache": ".graph_ops.cast_cache",

@@ -32,7 +32,7 @@ from amp_fx.converter.pipeline import rewrite_graph
 from amp_fx.converter.specialisations import attach_specialisations
 from amp_fx.ir.policy import Policy
 from amp_fx.frontend.module_hooks import CALLED_ATTR
-from amp_fx.frontend.tracing import _TRACE_LOCK, DEFAULTS_ATTR, AmpTraceError, trace_model
+from amp_fx.frontend.tracing import _TRACE_LOCK, DEFAULTS_ATTR, AmpTraceError, building_a_graph, trace_model
 from amp_fx.converter.call_capture import capture_from_call, is_captured
 
 __all__ = ["convert"]
@@ -254,7 +254,7 @@ def convert(
     try:
         gm, route, source = _trace(model, config, options)
     except (AmpTraceError, UnsupportedConstructError) as error:  # no whole graph: capture from the real call
-        if getattr(error, "construct", "") in _KEPT_REFUSALS:
+        if getattr(error, "construct", "") in _KEPT_REFUSALS or building_a_graph():  # (a graph for one more key)
             raise
         return capture_from_call(model, config, policy, str(error))  # (converter/call_capture.py)
     traced_defaults = dict(getattr(gm, DEFAULTS_ATTR, None) or {})  # optional inputs traced at their default (symbolic)

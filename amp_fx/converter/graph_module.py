@@ -48,7 +48,7 @@ from amp_fx.graph_ops.hook_dispatch import COMPUTATION_HOOKS
 from amp_fx.frontend.module_hooks import ORIGINALS_ATTR, bind_sites
 from amp_fx.converter.step_guard import guard_low_parameters
 from amp_fx.converter.functional_params import restore_swapped, swap_in_low_copies
-from amp_fx.converter.specialisations import SPECS_ATTR
+from amp_fx.converter.specialisations import SPECS_ATTR, UntraceableCallError
 from amp_fx.frontend.train_flags import FROZEN_ATTR
 from amp_fx.graph_ops.mode_switch import amp_fx_is_switching, switching_modes
 from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError, AmpWarning
@@ -335,9 +335,15 @@ class AmpGraphModule(fx.GraphModule):
         if expected:
             _check_input_dtypes(expected, args, kwargs)
         specs = self.__dict__.get(SPECS_ATTR)
+        unserved = None
         if specs is not None:  # the graph for this mode and these optional inputs (converter/specialisations.py)
-            args, kwargs = specs.select(self, args, kwargs)
-        unserved = _unserved_call(self, args, kwargs)
+            try:
+                args, kwargs = specs.select(self, args, kwargs)
+            except UntraceableCallError as error:  # no graph for this call's inputs: it is captured from the call
+                if getattr(self.__dict__.get(RECIPE_ATTR), "model", None) is None:
+                    raise
+                unserved = str(error)
+        unserved = unserved or _unserved_call(self, args, kwargs)
         if unserved is not None:  # a call the graph cannot take runs captured from the call (converter/call_capture.py)
             from amp_fx.converter.call_capture import call_route
 

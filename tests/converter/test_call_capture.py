@@ -58,7 +58,10 @@ def _check_against_autocast(module, reference, case, level, dtype=torch.bfloat16
         for name, grad in grads.items():
             assert grad.shape == ref_grads[name].shape
             assert _rel(grad, ref_grads[name]) <= LEVEL_BOUND[level], (case.name, level, batch, name)
-        # The FLOPs autocast runs in bf16 run in bf16 here too (between graphs as well: see call_capture's autocast).
+        # The FLOPs autocast runs in bf16 run in bf16 here too.  DEPENDS ON DECISIONS BETWEEN GRAPHS (issue 40 item 2):
+        # for cases with case.between_graphs (the Function Dynamo leaves eager) and the O1 item-break case, the
+        # GEMMs outside Dynamo's graphs run low only because call_capture runs that code under autocast at O1; if
+        # the backend's own between-graph decisions (issue-40b) replace that, these assertions test them.
         assert ref_flops.low_share(dtype) > 0.99
         assert flops.total == ref_flops.total, (case.name, dict(flops.flops), dict(ref_flops.flops))
         assert flops.low_share(dtype) >= ref_flops.low_share(dtype) - 1e-9, (case.name, level, dict(flops.flops))

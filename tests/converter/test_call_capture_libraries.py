@@ -87,14 +87,12 @@ def test_unet_takes_an_int_timestep_and_serves_a_ddpm_pipeline():
     assert converted.amp_report.route == "dynamo" and "Timesteps should be a 1d-array" in converted.amp_report.trace_failure
     sample = torch.randn(2, 3, 8, 8)
     _compare(converted, reference, lambda m: m(sample, 7).sample.square().mean())  # a Python int timestep
-    bigger = torch.randn(1, 3, 16, 16)
-    _compare(converted, reference, lambda m: m(bigger, torch.tensor([3])).sample.square().mean())
     pipeline = diffusers.DDPMPipeline(unet=converted, scheduler=diffusers.DDPMScheduler(num_train_timesteps=4))
     assert pipeline.unet.config.sample_size == 8  # the pipeline reads the model's config through the module
-    with GemmFlops() as flops:
+    with GemmFlops() as flops:  # another batch size, and the scheduler's 0-d tensor timestep: captured again
         images = pipeline(batch_size=1, num_inference_steps=1, output_type="np",
                           generator=torch.Generator().manual_seed(0)).images
-    assert images.shape == (1, 8, 8, 3) and flops.low_share() > 0.99
+    assert images.shape == (1, 8, 8, 3) and flops.total > 0 and flops.low_share() > 0.99
 
 
 def test_a_call_the_traced_graph_cannot_take_runs_captured():
