@@ -17,7 +17,6 @@ import torch
 import torch.nn as nn
 
 import amp_fx
-from probes import captured_because
 from amp_fx.errors import AmpRuntimeError, UnsupportedConstructError
 from test_module_hooks import AS_AUTOCAST, BOUND, KINDS, Net, _autocast, _run
 
@@ -79,6 +78,8 @@ class Untraceable(nn.Module):
 
 
 def test_a_hooked_model_the_export_route_would_refuse_takes_the_call_route():
+    from probes import captured_because  # (here: a process unpickling this file's hooks lacks tests/ on its path)
+
     model = Untraceable()
     handle = model.inner.fc2.register_forward_hook(lambda mod, a, o: o + 1.0)
     x = torch.randn(4, 8)
@@ -99,6 +100,8 @@ def test_a_hooked_model_the_export_route_would_refuse_takes_the_call_route():
 def test_the_export_failure_advises_a_leaf_only_where_one_helps():
     """fx failing in the model's own forward (Untraceable, as HF models do): the backend only, no leaf advice (the
     tester's complaint). fx failing in a submodule: the leaf is named, and converting with it keeps the hook live."""
+    from probes import captured_because  # (here: a process unpickling this file's hooks lacks tests/ on its path)
+
     model = Untraceable()
     model.inner.fc2.register_forward_hook(lambda mod, a, o: o + 1.0)
     x = torch.randn(4, 8)
