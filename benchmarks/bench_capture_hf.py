@@ -6,7 +6,7 @@ per model, level and length: the loss and eager autocast's on the same inputs, t
 that ran bf16 on both (counted at dispatch, tests/probes.py ``GemmFlops``), the seconds so far and the
 Dynamo graphs and breaks the report lists.
 
-    python benchmarks/bench_capture_hf.py [xlnet mamba deberta wav2vec2]
+    PYTHONPATH=. python benchmarks/bench_capture_hf.py [xlnet mamba deberta wav2vec2]
 """
 
 from __future__ import annotations
