@@ -254,7 +254,9 @@ def convert(
     try:
         gm, route, source = _trace(model, config, options)
     except (AmpTraceError, UnsupportedConstructError) as error:  # no whole graph: capture from the real call
-        if getattr(error, "construct", "") in _KEPT_REFUSALS or building_a_graph():  # (a graph for one more key)
+        # Kept: a refusal the call route would not lift, a graph for one more key of a converted module, and a
+        # torch.export failure under the user's own dynamic_shapes= (their declaration is what the error names).
+        if getattr(error, "construct", "") in _KEPT_REFUSALS or building_a_graph() or dynamic_shapes is not None:
             raise
         return capture_from_call(model, config, policy, str(error))  # (converter/call_capture.py)
     traced_defaults = dict(getattr(gm, DEFAULTS_ATTR, None) or {})  # optional inputs traced at their default (symbolic)
