@@ -15,6 +15,10 @@ from amp_fx.converter.graph_module import AmpGraphModule
 from amp_fx.ir.policy import Policy
 from amp_fx.converter.report import ConversionReport, NodeRecord
 from amp_fx.frontend.tracing import AmpTraceError
+from amp_fx.converter import call_capture as _call_capture
+
+# convert()'s capture-from-the-call route runs amp_fx's Dynamo backend, a layer above the converter's.
+_call_capture.provide_backend(backend)
 
 # Public names that live in modules with heavier imports (networkx, Dynamo,
 # the runtime): loaded on first use, so ``import amp_fx`` stays light.
@@ -50,6 +54,8 @@ _LAZY = {
     "fp8_report": ".inspection.fp8_view",
     "track_fp8": ".inspection.fp8_view",
     "explain": ".inspection.explain",
+    # convert()'s report where the model was captured from its calls (docs/tracing.md)
+    "CapturedReport": ".converter.call_capture",
     "Fp8NothingConvertedWarning": ".ir.fp8_rules",
     # a library's custom op, its whole row in one call (docs/design.md, "Adding an op")
     "register_op": ".ir.op_properties",

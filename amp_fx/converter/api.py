@@ -23,7 +23,7 @@ from amp_fx.ir import tables
 from amp_fx.converter.buffer_state import attach_buffer_sources, copy_sharing_buffers
 from amp_fx.ir.config import AmpConfig, make_config
 from amp_fx.ir.devices import device_type_of
-from amp_fx.errors import PACKAGE, AlreadyConvertedError, AmpTypeError, AmpValueError, checks_keywords, did_you_mean
+from amp_fx.errors import PACKAGE, UnsupportedConstructError, AlreadyConvertedError, AmpTypeError, AmpValueError, checks_keywords, did_you_mean
 from amp_fx.converter.graph_module import ROUTE_ATTR, AmpGraphModule, attach_masters, switching_modes
 from amp_fx.ir.op_keys import CAST_OPS, canonical_op
 from amp_fx.converter.live_hooks import RECIPE_ATTR, ConversionRecipe
@@ -32,9 +32,14 @@ from amp_fx.converter.pipeline import rewrite_graph
 from amp_fx.converter.specialisations import attach_specialisations
 from amp_fx.ir.policy import Policy
 from amp_fx.frontend.module_hooks import CALLED_ATTR
-from amp_fx.frontend.tracing import _TRACE_LOCK, DEFAULTS_ATTR, trace_model
+from amp_fx.frontend.tracing import _TRACE_LOCK, DEFAULTS_ATTR, AmpTraceError, building_a_graph, trace_model
+from amp_fx.converter.call_capture import capture_from_call, is_captured
 
 __all__ = ["convert"]
+
+
+# Refusals that capture from the call would not lift: the model's meaning itself is at stake, not the capture.
+_KEPT_REFUSALS = frozenset({"legacy torch.nn.utils.weight_norm", "global module hooks", "register_backward_hook"})
 
 
 def _check_model(model: Any) -> None:
@@ -133,6 +138,8 @@ def _reconvert(model: AmpGraphModule, config: AmpConfig) -> AmpGraphModule:
             f"this module was already converted at {previous.level} ({previous.low_dtype}); converting it again "
             f"at {config.level} ({config.low_dtype}) would stack casts. Convert the original model instead."
         )
+    if is_captured(model):  # captured from the call: it is its own conversion
+        return model
     result = copy.copy(model)
     report = copy.deepcopy(model.amp_report)
     report.notes.append("already converted with this configuration: nothing changed")
@@ -241,10 +248,17 @@ def convert(
     _check_inputs(example_inputs, example_kwarg_inputs)
     config, device = _config_for(model, options)
     policy = _policy_for(policy, config)
-    if isinstance(model, AmpGraphModule) and hasattr(model, "amp_config"):
+    if isinstance(model, AmpGraphModule) and hasattr(model, "amp_config") or is_captured(model):
         return _reconvert(model, config)
     _check_names(model, policy, leaf_modules)
-    gm, route, source = _trace(model, config, options)
+    try:
+        gm, route, source = _trace(model, config, options)
+    except (AmpTraceError, UnsupportedConstructError) as error:  # no whole graph: capture from the real call
+        # Kept: a refusal the call route would not lift, a graph for one more key of a converted module, and a
+        # torch.export failure under the user's own dynamic_shapes= (their declaration is what the error names).
+        if getattr(error, "construct", "") in _KEPT_REFUSALS or building_a_graph() or dynamic_shapes is not None:
+            raise
+        return capture_from_call(model, config, policy, str(error))  # (converter/call_capture.py)
     traced_defaults = dict(getattr(gm, DEFAULTS_ATTR, None) or {})  # optional inputs traced at their default (symbolic)
     _match_model_state(gm, source, policy)
     ctx = _pass_context(config, policy, options, route, device)

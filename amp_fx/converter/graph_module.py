@@ -30,7 +30,9 @@ import collections
 import contextlib
 import copy
 import functools
+import inspect
 import warnings
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -46,7 +48,7 @@ from amp_fx.graph_ops.hook_dispatch import COMPUTATION_HOOKS
 from amp_fx.frontend.module_hooks import ORIGINALS_ATTR, bind_sites
 from amp_fx.converter.step_guard import guard_low_parameters
 from amp_fx.converter.functional_params import restore_swapped, swap_in_low_copies
-from amp_fx.converter.specialisations import SPECS_ATTR
+from amp_fx.converter.specialisations import SPECS_ATTR, UntraceableCallError
 from amp_fx.frontend.train_flags import FROZEN_ATTR
 from amp_fx.graph_ops.mode_switch import amp_fx_is_switching, switching_modes
 from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError, AmpWarning
@@ -98,7 +100,8 @@ def _shallow_clone(module: nn.Module, memo: dict[int, nn.Module], originals: Opt
     """
     if id(module) in memo:
         return memo[id(module)]
-    clone = copy.copy(module)
+    clone = type(module).__new__(type(module))  # copy.copy without __getstate__ (a parametrized module refuses it)
+    clone.__dict__.update(module.__dict__)
     memo[id(module)] = clone
     for key, value in module.__dict__.items():
         # _parameters, _buffers, hook dicts, RNN's _flat_weights: new containers, same tensors
@@ -271,6 +274,45 @@ def _load_sources(module: nn.Module, state_dict: Any, prefix: str, local_metadat
     load_buffer_sources(module, own)
 
 
+_TENSOR_INPUTS: "weakref.WeakKeyDictionary[fx.Graph, frozenset]" = weakref.WeakKeyDictionary()
+
+
+def _tensor_inputs(gm: fx.GraphModule) -> frozenset:
+    """Names of the graph's inputs it uses as tensors: an example tensor traced them, or the graph calls their methods."""
+    graph = gm.graph
+    cached = _TENSOR_INPUTS.get(graph)
+    if cached is not None:
+        return cached
+    names = set()
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("val", node.meta.get("example_value"))
+        used_as_tensor = any(user.op == "call_method" and user.args and user.args[0] is node for user in node.users)
+        if isinstance(value, torch.Tensor) or used_as_tensor:
+            names.add(node.target)
+    _TENSOR_INPUTS[graph] = frozenset(names)
+    return _TENSOR_INPUTS[graph]
+
+
+def _unserved_call(gm: fx.GraphModule, args: tuple, kwargs: dict) -> Optional[str]:
+    """Why the graph cannot serve this call (its arguments do not bind, a number where it traced a tensor), or None.
+
+    Only a module that knows its model (the recipe) can hand the call on; the others run the graph as before.
+    """
+    if getattr(gm.__dict__.get(RECIPE_ATTR), "model", None) is None:
+        return None
+    try:
+        bound = inspect.signature(gm.forward).bind(*args, **kwargs)
+    except TypeError as error:
+        return f"the traced graph's inputs do not take this call ({error})"
+    tensor_inputs = _tensor_inputs(gm)
+    for name, value in bound.arguments.items():
+        if type(value) in (int, float) and name in tensor_inputs:
+            return f"the graph traced input {name!r} as a tensor and this call gives the Python {type(value).__name__} {value!r}"
+    return None
+
+
 class AmpGraphModule(fx.GraphModule):
     """A converted model: a GraphModule with explicit casts (see module docstring)."""
 
@@ -288,12 +330,24 @@ class AmpGraphModule(fx.GraphModule):
             setattr(self, FROZEN_ATTR, dict(frozen))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        given = args, kwargs
         expected = self.__dict__.get("amp_fx_input_dtypes")
         if expected:
             _check_input_dtypes(expected, args, kwargs)
         specs = self.__dict__.get(SPECS_ATTR)
+        unserved = None
         if specs is not None:  # the graph for this mode and these optional inputs (converter/specialisations.py)
-            args, kwargs = specs.select(self, args, kwargs)
+            try:
+                args, kwargs = specs.select(self, args, kwargs)
+            except UntraceableCallError as error:  # no graph for this call's inputs: it is captured from the call
+                if getattr(self.__dict__.get(RECIPE_ATTR), "model", None) is None:
+                    raise
+                unserved = str(error)
+        unserved = unserved or _unserved_call(self, args, kwargs)
+        if unserved is not None:  # a call the graph cannot take runs captured from the call (converter/call_capture.py)
+            from amp_fx.converter.call_capture import call_route
+
+            return call_route(self, unserved)(*given[0], **given[1])
         hooks = self.__dict__.get(STATE_ATTR)
         if hooks is None or hooks.stale(self):  # a hook registered somewhere since the last call (core/live_hooks.py)
             hooks = check_hooks(self)

@@ -7,18 +7,23 @@ around the model reads more (a LightningModule's ``self.model.hidden_size``,
 attribute 'encode'`` does not say why.  Here:
 
 * a plain value of the model (a number, string, bool, None, or a tuple/list/dict
-  of those; a ``config`` object) is read from the model: it computes nothing, so
-  no precision is at stake;
-* a method, a tensor that is no parameter or buffer, or a submodule is refused
-  with an :class:`~amp_fx.errors.AmpAttributeError` that says what the converted
-  module runs and how to reach the rest.  A method would run the model's
-  unconverted fp32 code, silently.
+  of those; a ``config`` object), also one a property computes (diffusers'
+  ``config``), is read from the model: it computes nothing, so no precision is
+  at stake;
+* a method (``generate()``, ``save_pretrained``) is the model's own, bound to a
+  copy of the model captured from the call on the converted module's
+  parameters (:mod:`amp_fx.converter.call_capture`): where it calls
+  ``self(...)`` that call runs mixed precision, and its own ops are decided
+  as the code between captured graphs is;
+* a tensor that is no parameter or buffer, a submodule, or another property is
+  refused with an :class:`~amp_fx.errors.AmpAttributeError` that says what the
+  converted module runs and how to reach the rest.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
@@ -65,6 +70,16 @@ def model_attribute(module: nn.Module, name: str) -> Any:
     if static is _ABSENT:
         raise _missing(module, name)
     kind = type(model).__name__
+    if isinstance(static, property):  # a library reads it (diffusers' config): a plain value is safe to hand out
+        value = getattr(model, name)
+        if _plain(value) or _config_like(value) or isinstance(value, Mapping) and _plain(dict(value)):
+            return value
+    elif callable(static) and not isinstance(static, (staticmethod, classmethod)):
+        # A method (generate(), encode()): the model's own, bound to a captured copy of the model on this module's
+        # parameters, so the ``self(...)`` it calls runs mixed precision (converter/call_capture.py).
+        from amp_fx.converter.call_capture import method_of
+
+        return method_of(module, name)
     if callable(static) or isinstance(static, (staticmethod, classmethod, property)):
         what = f"{name!r} is a method of {kind}" if not isinstance(static, property) else f"{name!r} is a property of {kind}"
         raise AmpAttributeError(

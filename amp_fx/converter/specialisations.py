@@ -72,7 +72,11 @@ from amp_fx.frontend.traced_defaults import is_default, optional_parameters, pos
 from amp_fx.frontend.tracing import FX_FAILED_IN_ATTR, AmpTraceError, tracing_for
 from amp_fx.frontend.train_flags import FROZEN_ATTR
 
-__all__ = ["Specialisations", "attach_specialisations", "SPECS_ATTR"]
+__all__ = ["Specialisations", "attach_specialisations", "SPECS_ATTR", "UntraceableCallError"]
+
+
+class UntraceableCallError(AmpTypeError):
+    """fx cannot build a graph for the inputs this call gives: the converted module hands the call to the call route."""
 
 SPECS_ATTR = "amp_fx_specialisations"  # in AMP_ATTRIBUTES: a deepcopy gets a fresh cache (see __deepcopy__)
 _RECIPE_ATTR = "amp_fx_recipe"  # amp_fx/converter/live_hooks.py
@@ -243,7 +247,7 @@ class Specialisations:
         built = entry is None
         if built:
             if key in self.failures:  # refused before: no second conversion to find that out
-                raise AmpTypeError(self.failures[key])
+                raise UntraceableCallError(self.failures[key])
             entry = self._build(gm, key, args, kwargs)
             self.graphs[key] = entry
         gm.graph = entry.graph  # recompiles forward from the kept graph
@@ -290,7 +294,7 @@ class Specialisations:
                 if self.exported:
                     raise AmpRuntimeError(f"amp_fx: could not build this module's graph for {want}: {error}") from error
                 self.failures[key] = self._untraceable(present, error)
-                raise AmpTypeError(self.failures[key]) from error
+                raise UntraceableCallError(self.failures[key]) from error
             except Exception as error:
                 raise AmpRuntimeError(f"amp_fx: could not build this module's graph for {want}: "
                                       f"{type(error).__name__}: {error}") from error

@@ -21,6 +21,7 @@ import weakref
 from typing import Any, Iterator, Optional
 
 import torch.fx as fx
+import torch.nn as nn
 from torch.autograd.function import Function, _is_setup_context_defined
 from torch.utils._pytree import tree_leaves
 
@@ -145,6 +146,14 @@ def _result_structure(function: type, args: tuple, kwargs: dict, graph: fx.Graph
 
 def _record(function: type, args: tuple, kwargs: dict, proxy: fx.Proxy) -> Any:
     tracer = proxy.tracer
+    if any(isinstance(leaf, nn.Module) for leaf in tree_leaves((args, kwargs))):
+        # Its forward runs those modules' parameters where no graph node sees them: O1 could not cast them (a low
+        # input would meet fp32 weights) and O2 could not hand them their low copies.
+        where = current_user_line() or "unknown source line"
+        raise UnsupportedConstructError(
+            f"custom autograd Function {function.__qualname__} is called with modules as arguments (Reformer's "
+            f"reversible layers): their parameters run inside it, out of the graph's sight.\n  at {where}",
+            construct="torch.autograd.Function.apply", where=where)
     structure = _result_structure(function, args, kwargs, tracer.graph)
     try:
         out = tracer.create_proxy("call_function", function_call(function), args, kwargs)

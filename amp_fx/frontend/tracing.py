@@ -36,7 +36,7 @@ from amp_fx.frontend.traced_defaults import describe_defaults, traced_at_default
 from amp_fx.frontend.train_flags import FROZEN_ATTR, TrainingReads
 
 __all__ = ["AmpTracer", "AmpTraceError", "trace_model", "DEFAULT_LEAF_TYPES", "module_stack_of", "user_frame",
-           "export_hook_advice", "FX_FAILED_IN_ATTR", "tracing_for", "DEFAULTS_ATTR"]
+           "export_hook_advice", "FX_FAILED_IN_ATTR", "tracing_for", "building_a_graph", "DEFAULTS_ATTR"]
 # On a module traced by torch.export: the module fx failed in ("" the model's own forward), for later advice.
 FX_FAILED_IN_ATTR = "amp_fx_fx_failed_in"
 
@@ -219,6 +219,11 @@ class _Build:
 
     def __init__(self, route: str, inputs: Optional[frozenset], failed_in: str):
         self.route, self.inputs, self.failed_in = route, inputs, failed_in
+
+
+def building_a_graph() -> bool:
+    """True while a converted module builds its graph for another key (under :func:`tracing_for`): one route only."""
+    return _BUILDING.get() is not None
 
 
 @contextlib.contextmanager

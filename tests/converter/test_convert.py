@@ -367,7 +367,8 @@ def test_export_route_is_used_when_symbolic_tracing_fails():
 def test_attributes_only_the_model_has_are_read_or_refused_by_name():
     """Code around a converted module reads the model's interface (a LightningModule's self.model.hidden_size,
     self.model.encode(x)). Plain values are read from the model (no computation, no precision at stake); a method
-    would run the unconverted fp32 code, and a loose tensor bypass the conversion: both refused by name."""
+    runs on a copy captured from the call (converter/call_capture.py); a loose tensor would bypass the conversion:
+    refused by name."""
     class Net(nn.Module):
         label = "net"
 
@@ -386,9 +387,11 @@ def test_attributes_only_the_model_has_are_read_or_refused_by_name():
     model = Net()
     gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16)
     assert (gm.hidden_size, gm.sizes, gm.label) == (4, {"in": 4, "out": 4}, "net")
-    with pytest.raises(amp_fx.AmpAttributeError, match="'encode' is a method of Net.*runs forward only"):
-        gm.encode(torch.randn(2, 4))
-    assert not hasattr(gm, "encode")  # an AttributeError too
+    x = torch.randn(2, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model.encode(x)
+    encoded = gm.encode(x)  # the model's method on a captured copy: its own ops decided, never fp32 in silence
+    assert encoded.dtype == torch.bfloat16 and torch.equal(encoded, expected)
     with pytest.raises(amp_fx.AmpAttributeError, match=r"Net.loose \(Tensor\) is not part of the converted module"):
         gm.loose
     with pytest.raises(AttributeError, match="no attribute 'nothing'") as missing:

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import amp_fx
+from probes import captured_because
 from amp_fx.errors import UnsupportedConstructError
 from amp_fx.frontend.opaque_calls import FunctionCall
 
@@ -213,7 +214,7 @@ def test_pickle_and_deepcopy_keep_the_function_node():
         torch.testing.assert_close(clone_grads["lin.weight"], grads["lin.weight"])
 
 
-def test_function_given_an_unrecordable_argument_is_refused():
+def test_function_given_an_unrecordable_argument_takes_the_call_route():
     class Apply(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, fn):
@@ -227,8 +228,9 @@ def test_function_given_an_unrecordable_argument_is_refused():
         def forward(self, x):
             return Apply.apply(x, lambda t: t * 2)
 
-    with pytest.raises(UnsupportedConstructError, match=r"(?s)Apply.*Apply\.apply\(x, lambda.*backend='amp_fx'"):
-        amp_fx.convert(Model(), "O1")
+    converted, _ = captured_because(Model(), "Apply", "Apply.apply(x, lambda", "backend='amp_fx'")
+    x = torch.randn(3, 4)
+    assert torch.equal(converted(x), x * 2)
 
 
 def test_backend_route_keeps_the_straight_through_gradient():

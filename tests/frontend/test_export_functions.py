@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 import amp_fx
+from probes import captured_because
 from amp_fx.errors import UnsupportedConstructError
 from amp_fx.frontend.opaque_calls import FunctionCall
 from routes import Untraceable
@@ -236,7 +237,7 @@ def test_deepcopy_and_state_dict_keep_the_function():
     torch.testing.assert_close(_run(gm, x)[0], expected, rtol=0, atol=0)
 
 
-def test_function_writing_its_input_in_place_is_refused():
+def test_function_writing_its_input_in_place_takes_the_call_route():
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
@@ -245,8 +246,12 @@ def test_function_writing_its_input_in_place_is_refused():
         def forward(self, x):
             return AddInPlace.apply(self.lin(x))
 
-    with pytest.raises(UnsupportedConstructError, match=r"(?s)AddInPlace writes to its input in place.*backend='amp_fx'"):
-        _export(Model(), torch.randn(2, 4))
+    model, x = Model(), torch.randn(2, 4)
+    converted, _ = captured_because(Untraceable(model), "AddInPlace writes to its input in place", "backend='amp_fx'",
+                                    dtype=torch.bfloat16, example_inputs=(x,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = Untraceable(model)(x)
+    torch.testing.assert_close(converted(x).float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
 # -- BLOOM: its training-mode GELU is a custom autograd Function ----------------
