@@ -43,6 +43,7 @@ import torch.utils._pytree as pytree
 from amp_fx.converter.graph_module import (ROUTE_ATTR, _load_sources, _restore_source_dtypes, _shallow_clone,
                                            attach_masters)
 from amp_fx.converter.live_hooks import RECIPE_ATTR
+from amp_fx.converter.model_attributes import captured_routes
 from amp_fx.graph_ops.master_sync import sync_masters
 from amp_fx.ir.config import AmpConfig
 from amp_fx.ir.policy import Policy
@@ -288,3 +289,6 @@ def method_of(gm: nn.Module, name: str) -> Callable:
 def is_captured(module: Any) -> bool:
     """True for a module :func:`capture_from_call` made."""
     return isinstance(module, nn.Module) and _CAPTURED_ATTR in module.__dict__
+
+
+captured_routes.update(call_route=call_route, method_of=method_of)  # (model_attributes.py says why)

@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from amp_fx.converter.buffer_state import SOURCES_ATTR, load_buffer_sources, source_value
 from amp_fx.converter.live_hooks import RECIPE_ATTR, STATE_ATTR, check_hooks
-from amp_fx.converter.model_attributes import model_attribute
+from amp_fx.converter.model_attributes import captured_routes, model_attribute
 from amp_fx.graph_ops.master_sync import sync_masters, track_masters
 from amp_fx.graph_ops.outer_autocast import call_without_outer_autocast
 from amp_fx.graph_ops.hook_dispatch import COMPUTATION_HOOKS
@@ -345,9 +345,7 @@ class AmpGraphModule(fx.GraphModule):
                 unserved = str(error)
         unserved = unserved or _unserved_call(self, args, kwargs)
         if unserved is not None:  # a call the graph cannot take runs captured from the call (converter/call_capture.py)
-            from amp_fx.converter.call_capture import call_route
-
-            return call_route(self, unserved)(*given[0], **given[1])
+            return captured_routes["call_route"](self, unserved)(*given[0], **given[1])
         hooks = self.__dict__.get(STATE_ATTR)
         if hooks is None or hooks.stale(self):  # a hook registered somewhere since the last call (core/live_hooks.py)
             hooks = check_hooks(self)

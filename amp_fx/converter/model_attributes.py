@@ -31,6 +31,10 @@ import torch.nn as nn
 from amp_fx.converter.live_hooks import RECIPE_ATTR
 from amp_fx.errors import PACKAGE, AmpAttributeError
 
+# The captured route (converter/call_capture.py) puts ``call_route`` and ``method_of`` here when it is imported:
+# it builds on graph_module, which reads attributes through this module, so neither may import it back.
+captured_routes: dict[str, Any] = {}
+
 __all__ = ["model_attribute"]
 
 _PLAIN = (int, float, str, bool, type(None))
@@ -77,9 +81,7 @@ def model_attribute(module: nn.Module, name: str) -> Any:
     elif callable(static) and not isinstance(static, (staticmethod, classmethod)):
         # A method (generate(), encode()): the model's own, bound to a captured copy of the model on this module's
         # parameters, so the ``self(...)`` it calls runs mixed precision (converter/call_capture.py).
-        from amp_fx.converter.call_capture import method_of
-
-        return method_of(module, name)
+        return captured_routes["method_of"](module, name)
     if callable(static) or isinstance(static, (staticmethod, classmethod, property)):
         what = f"{name!r} is a method of {kind}" if not isinstance(static, property) else f"{name!r} is a property of {kind}"
         raise AmpAttributeError(
