@@ -160,7 +160,7 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         self._init_face()
         self._grads_synced = False
         # The low gradients as _mirror_master_grads() left them (grad_edits.mirror): edits until the step reach the masters.
-        self._grad_marks: list[grad_edits.Mark] | None = None
+        self._grad_marks: grad_edits.Marks | None = None
         self._map_parameters(module, masters)
 
         # Map everything first and swap last: a refused optimizer is left untouched.

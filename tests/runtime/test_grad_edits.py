@@ -226,3 +226,34 @@ def test_clipping_a_ddp_model_clips_the_masters(reference, dtype, tmp_path):
     for update, ref_update in zip(updates, reference[0]):
         assert float(update.norm()) <= LR * MAX_NORM * (1 + torch.finfo(dtype).eps)
         assert float((update - ref_update).norm()) <= NOISE["O2", dtype] * float(ref_update.norm())
+
+
+def _clip_through_data(params):
+    """The hand-written clip of Apex/Megatron scripts: the norm and the scale through ``.data``."""
+    norm = torch.stack([p.grad.data.float().norm() for p in params]).norm()
+    for p in params:
+        p.grad.data.mul_(MAX_NORM / float(norm))
+
+
+DATA_EDITS = {
+    "clip-data-mul": (_clip_through_data, lambda grads: [g * (MAX_NORM / float(torch.cat([h.flatten() for h in grads]).norm()))
+                                                          for g in grads]),
+    "data-zero": (lambda ps: ps[0].grad.data.zero_(), lambda grads: [torch.zeros_like(grads[0]), *grads[1:]]),
+    "data-assign": (lambda ps: setattr(ps[2].grad, "data", ps[2].grad * 4), lambda grads: [*grads[:2], grads[2] * 4, *grads[3:]]),
+    "data-neg": (lambda ps: ps[2].grad.data.neg_(), lambda grads: [*grads[:2], -grads[2], *grads[3:]]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("edit", sorted(DATA_EDITS))
+def test_edits_through_data_reach_the_masters(edit, dtype):
+    """``.data`` shares the storage but not the version counter: the fingerprint (norm, sum) or storage sees it."""
+    gm, optimizer, scaler, _ = _o2_unscaled(dtype)
+    pairs = dict(optimizer._pairs)
+    params = list(gm.parameters())
+    do, expected = DATA_EDITS[edit]
+    want = expected([pairs[p].grad.clone() for p in params])
+    do(params)
+    assert scaler.step(optimizer)
+    for param, grad in zip(params, want):
+        torch.testing.assert_close(pairs[param].grad, grad, rtol=2 * torch.finfo(dtype).eps, atol=1e-7)
