@@ -65,6 +65,7 @@ _LAZY = {
     "RecompileLimitWarning": ".dynamo.recompiles",
     "FrozenTrainingWarning": ".converter.graph_module",
     "NoGradientsWarning": ".runtime.loss_scaler",
+    "NoLowGradientsWarning": ".runtime.master_weights",
     "StaticShapeWarning": ".frontend.export_route",
     "HookWarning": ".graph_ops.hook_dispatch",
     "UndecidedCustomOpWarning": ".passes.assign_precision",
