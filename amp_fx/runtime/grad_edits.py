@@ -23,9 +23,10 @@ means what it says:
   - a gradient nobody touched keeps its master's fp32 gradient as it is.
 
 What is exact and what is rounding: an untouched gradient is exact (fp32). A uniformly scaled one is
-``m * c`` in fp32 with ``c`` estimated from the rounded low values; torch computes the clip factor itself
-from the low gradients' norm, which is rounded to the low dtype, so a clip's ``c`` differs from the fp32
-recipe's by about one rounding of the low dtype (2**-8 bf16, 2**-11 fp16), whatever is done here.
+``m * c`` in fp32 with ``c`` the clipped low gradients' fp32 norm over the masters': the update's norm is the
+clipped low gradients'. torch computes the clip factor itself from the low gradients' norm, rounded to the
+low dtype, and rounds what it clips, so a clipped update's norm is at most ``lr * max_norm * ((1+u)/(1-u))**3``,
+``u`` the low dtype's unit roundoff (docs/training.md derives it), whatever is done here.
 
 What is not seen: an edit through ``.data``/``.detach()`` that keeps both the fp32 norm and the sum of the
 gradient bit for bit (swapping two elements, an edit undone before the step). Nothing fp32 is kept per
@@ -190,9 +191,9 @@ def _scale_or_copy(scaled: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     The factor is the ratio of the norms (the low gradient held the master's values, rounded, before the edit):
     first one for all the edited gradients together (a clip scales them all alike), then each gradient's own.
     """
-    lows = torch._foreach_norm([low for low, _ in scaled])
+    lows = torch._foreach_norm([low for low, _ in scaled], 2, dtype=torch.float32)  # (not rounded to the low dtype)
     masters = torch._foreach_norm([master for _, master in scaled])
-    norms = torch.stack([torch.stack(lows).float(), torch.stack(masters)]).tolist()  # one host sync
+    norms = torch.stack([torch.stack(lows), torch.stack(masters)]).tolist()  # one host sync
     shared = math.hypot(*norms[0]) / math.hypot(*norms[1]) if any(norms[1]) else math.nan
     for (low, master), low_norm, master_norm in zip(scaled, *norms):
         if _matches(low, master, shared):
