@@ -289,3 +289,17 @@ def test_the_clip_bound_holds_where_one_rounding_did_not(seed):
     assert optimizer.step() is not False
     ratio = float(_flat(p.grad for p in _stepped(optimizer)).norm()) / (LR * MAX_NORM)
     assert 0.99 < ratio <= clip_bound(torch.bfloat16)
+
+
+def test_without_a_scaler_clipping_model_parameters_clips_the_masters_update():
+    """docs/training.md's recipe for a loop with no scaler (bf16 O2, loss.backward(); opt.step()): the masters have
+    no gradient before the step, so clip gm.parameters(); the step's copy carries the clip."""
+    model = _net()
+    gm = amp_fx.convert(model, "O2", dtype=torch.bfloat16)
+    optimizer = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=LR), gm)
+    x, y = _batches()[0]
+    F.mse_loss(gm(x).float(), y).backward()
+    assert all(m.grad is None for m in amp_fx.master_params(optimizer))  # what the docs warn about
+    assert float(torch.nn.utils.clip_grad_norm_(gm.parameters(), MAX_NORM)) > 100 * MAX_NORM
+    optimizer.step()
+    assert 0.99 * LR * MAX_NORM <= float(_flat(p.grad for p in _stepped(optimizer)).norm()) <= LR * MAX_NORM * clip_bound(torch.bfloat16)
