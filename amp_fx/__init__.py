@@ -61,6 +61,7 @@ _LAZY = {
     "AlreadyInitializedError": ".apex.amp",
     "LossScalerStateError": ".runtime.scaler_state",
     "EpsUnderflowWarning": ".runtime.optimizer_checks",
+    "MomentUnderflowWarning": ".runtime.optimizer_checks",
     # the other AmpWarning subclasses (docs/refusals.md, "Warnings"), each filterable on its own
     "RecompileLimitWarning": ".dynamo.recompiles",
     "FrozenTrainingWarning": ".converter.graph_module",
