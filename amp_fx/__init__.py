@@ -67,10 +67,12 @@ _LAZY = {
     "AlreadyInitializedError": ".apex.amp",
     "LossScalerStateError": ".runtime.scaler_state",
     "EpsUnderflowWarning": ".runtime.optimizer_checks",
+    "MomentUnderflowWarning": ".runtime.optimizer_checks",
     # the other AmpWarning subclasses (docs/refusals.md, "Warnings"), each filterable on its own
     "RecompileLimitWarning": ".dynamo.recompiles",
     "FrozenTrainingWarning": ".converter.graph_module",
     "NoGradientsWarning": ".runtime.loss_scaler",
+    "NoLowGradientsWarning": ".runtime.master_weights",
     "StaticShapeWarning": ".frontend.export_route",
     "HookWarning": ".graph_ops.hook_dispatch",
     "UndecidedCustomOpWarning": ".passes.assign_precision",

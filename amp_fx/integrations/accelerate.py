@@ -78,13 +78,18 @@ class AcceleratedLossScaler(LossScaler):
 
 
 
-def _clip_masters(accelerator: "accelerate.Accelerator", converted: nn.Module, optimizer: Any, scaler: LossScaler) -> None:
-    """At O2, ``accelerator.clip_grad_norm_/value_(model.parameters(), ...)`` clips what the step uses: the masters.
+def _clip_masters(accelerator: "accelerate.Accelerator", converted: nn.Module, optimizer: Any,
+                  masters_optimizer: MasterWeightOptimizer, scaler: LossScaler) -> None:
+    """At O2, ``accelerator.clip_grad_norm_/value_`` clips what the step uses, whichever parameters it is given.
 
     The usual Accelerate line clips the model's parameters, which at O2 are the low copies: their gradients
     are not what the optimizer steps (it steps the fp32 masters' copies of them), so the clip did nothing
-    (fp16: it also read still-scaled gradients, a norm of inf). Low parameters are replaced by their masters,
-    after the scaler's unscale_ when it has not run this step.
+    (fp16: it also read still-scaled gradients, a norm of inf). Low parameters are replaced by their masters.
+    Given the masters themselves (``amp_fx.master_params(opt)``, ``opt.master_parameters()``, or the original
+    model's parameters, which are the masters at O2), the clip would find them without gradients before the
+    step copies them: so whenever the clip touches a master, the scaler's ``unscale_`` runs first when it has
+    not run this step, and the masters' gradients are copied from the module's if nothing has copied them yet
+    (a scaler that neither scales nor checks copies nothing).
     """
     masters = getattr(converted, "amp_fx_masters", None) or {}
     master_of = {id(low): masters[name] for name, low in converted.named_parameters()
@@ -95,9 +100,14 @@ def _clip_masters(accelerator: "accelerate.Accelerator", converted: nn.Module, o
     def redirected(clip: Any) -> Any:
         def clip_what_the_step_uses(parameters: Any, *args: Any, **kwargs: Any) -> Any:
             params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            if any(id(p) in master_of for p in params):
+            stepped = {id(m) for m in masters_optimizer.master_parameters()}
+            # (Not on a micro-batch accelerator.accumulate() only accumulates: a copy into the masters then
+            # would be a partial sum that the step, seeing it synced, would not refresh.)
+            if any(id(p) in master_of or id(p) in stepped for p in params) and accelerator.sync_gradients:
                 if not scaler.is_unscaled(optimizer):
                     scaler.unscale_(optimizer)  # the masters' gradients, copied and unscaled
+                if not masters_optimizer._grads_synced:
+                    masters_optimizer._sync_grads_to_masters()
                 params = list({id(q): q for q in (master_of.get(id(p), p) for p in params)}.values())
             return clip(params, *args, **kwargs)
         return clip_what_the_step_uses
@@ -150,6 +160,6 @@ def prepare(accelerator: "accelerate.Accelerator", model: nn.Module, optimizer: 
         if prepared_opt is not optimizer:
             # LossScaler finds the masters through AcceleratedOptimizer.optimizer; the user clips them by this name.
             prepared_opt.master_parameters = optimizer.master_parameters
-        _clip_masters(accelerator, converted, prepared_opt, scaler)
+        _clip_masters(accelerator, converted, prepared_opt, optimizer, scaler)
     accelerator.register_for_checkpointing(scaler)
     return (prepared_model, prepared_opt, scaler, *prepared)

@@ -6,9 +6,11 @@ while the step reads the fp32 masters' gradients, which the unscale already copi
 means what it says:
 
 * :func:`mirror` writes each master's unscaled fp32 gradient back into its low gradient (rounded), so
-  norms, clipping and inspection read true values, and remembers each low gradient's identity and
-  version counter (no copy of its values);
-* :func:`apply_edits`, at the step, finds the low gradients whose version moved (an in-place edit), that
+  norms, clipping and inspection read true values, and remembers each low gradient's identity, version
+  counter, storage (``data_ptr``) and a fingerprint of its values: its fp32 norm and sum (no copy of its values);
+* :func:`apply_edits`, at the step, finds the low gradients whose version moved (an in-place edit), whose
+  storage or fingerprint changed (an edit through ``.data`` or ``.detach()``, which share the storage but
+  not the version counter: the old hand-written clip ``p.grad.data.mul_(c)``, ``p.grad.data = x``), that
   were replaced or set to None, and carries the edit over to the master:
 
   - an edit that scales a gradient uniformly (``clip_grad_norm_``'s ``mul_``, a user's ``div_``) scales
@@ -21,70 +23,136 @@ means what it says:
   - a gradient nobody touched keeps its master's fp32 gradient as it is.
 
 What is exact and what is rounding: an untouched gradient is exact (fp32). A uniformly scaled one is
-``m * c`` in fp32 with ``c`` estimated from the rounded low values; torch computes the clip factor itself
-from the low gradients' norm, which is rounded to the low dtype, so a clip's ``c`` differs from the fp32
-recipe's by about one rounding of the low dtype (2**-8 bf16, 2**-11 fp16), whatever is done here.
+``m * c`` in fp32 with ``c`` the clipped low gradients' fp32 norm over the masters': the update's norm is the
+clipped low gradients'. torch computes the clip factor itself from the low gradients' norm, rounded to the
+low dtype, and rounds what it clips, so a clipped update's norm is at most ``lr * max_norm * ((1+u)/(1-u))**3``,
+``u`` the low dtype's unit roundoff (docs/training.md derives it), whatever is done here.
 
-Nothing fp32 is kept per gradient: a mark is a weak reference and an int.
+What is not seen: an edit through ``.data``/``.detach()`` that keeps both the fp32 norm and the sum of the
+gradient bit for bit (swapping two elements, an edit undone before the step). Nothing fp32 is kept per
+gradient: a mark is a weak reference, two ints and two floats, the fingerprints computed in two foreach
+passes over the low gradients at the mirror and again at the step (no host sync at the mirror, one at the step).
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 import torch
 
-__all__ = ["Mark", "mirror", "apply_edits"]
+__all__ = ["Mark", "Marks", "mirror", "apply_edits"]
 
-# (the low gradient, its version counter right after mirror()); None: the master had no gradient.
-Mark = Optional[tuple["weakref.ReferenceType[torch.Tensor]", int]]
+# (the low gradient, its version counter and data_ptr right after mirror()); None: the master had no gradient.
+Mark = Optional[tuple["weakref.ReferenceType[torch.Tensor]", int, int]]
+
+
+class Marks(NamedTuple):
+    """Every low gradient's :data:`Mark`, and the fingerprints of the marked ones (:func:`_fingerprints`) per device."""
+
+    marks: list[Mark]
+    fingerprints: dict[torch.device, torch.Tensor]  # (2, n): column j is the device's j-th marked gradient
+    columns: list[Optional[tuple[torch.device, int]]]  # each marked gradient's column there
+
+
+def _fingerprints(grads: list[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
+    """Each gradient's fp32 norm and sum, a (2, n) tensor per device: two passes over the gradients, no host sync.
+
+    Recomputed on the same values by the same kernels they are the same bits, so a change of either means the
+    values changed. The norm sees a scale or a zeroing, the sum a sign flip or a shift.
+    """
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_device.setdefault(grad.device, []).append(grad)
+    return {
+        device: torch.stack([torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)),
+                             torch.stack([grad.sum(dtype=torch.float32) for grad in group])])
+        for device, group in by_device.items()
+    }
 
 
 @torch.no_grad()
-def mirror(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], write: bool) -> list[Mark]:
+def mirror(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], write: bool) -> Marks:
     """Give each low parameter its master's gradient (rounded) where ``write``, and mark every low gradient.
 
     ``write=False`` only marks: the low gradients hold their masters' values already (copied, not scaled).
     A master without a gradient leaves its parameter's gradient None.
     """
-    marks: list[Mark] = []
+    marked: list[Optional[torch.Tensor]] = []
     dst, src = [], []
     for param, master in pairs:
         if master.grad is None:
             if write:
                 param.grad = None
-            marks.append(None)
+            marked.append(None)
             continue
         if write:
             if param.grad is None:
                 param.grad = torch.empty_like(param)
             dst.append(param.grad)
             src.append(master.grad)
-        marks.append(param)  # (replaced by its gradient's mark below, after the copies)
+        marked.append(param)  # (replaced by its gradient's mark below, after the copies)
     if dst:
         torch._foreach_copy_(dst, src)
-    return [None if m is None else (weakref.ref(m.grad), m.grad._version) for m in marks]
+    grads = [param.grad for param in marked if param is not None]
+    marks = [None if p is None else (weakref.ref(p.grad), p.grad._version, p.grad.data_ptr()) for p in marked]
+    counts: dict[torch.device, int] = {}
+    columns: list[Optional[tuple[torch.device, int]]] = []
+    for param in marked:
+        if param is None:
+            columns.append(None)
+        else:
+            columns.append((param.grad.device, counts.get(param.grad.device, 0)))
+            counts[param.grad.device] = columns[-1][1] + 1
+    return Marks(marks, _fingerprints(grads), columns)
 
 
 def _edited(param: torch.Tensor, mark: Mark) -> bool:
+    """Whether the gradient was set, replaced, set to None, edited through itself (its version moved) or given new storage."""
     grad = param.grad
     if mark is None:
         return grad is not None
-    return grad is None or grad is not mark[0]() or grad._version != mark[1]
+    return grad is None or grad is not mark[0]() or grad._version != mark[1] or grad.data_ptr() != mark[2]
+
+
+def _edited_through_data(params: list[torch.Tensor], marks: Marks) -> list[bool]:
+    """Which of the marked, otherwise unchanged gradients have a new fingerprint (an edit through ``.data``).
+
+    One host sync. Compared bit for bit: a NaN fingerprint that stayed NaN is unchanged.
+    """
+    where = marks.columns
+    candidates = [i for i, (param, mark) in enumerate(zip(params, marks.marks))
+                  if mark is not None and not _edited(param, mark)]
+    if not candidates:
+        return [False] * len(params)
+    now = _fingerprints([params[i].grad for i in candidates])
+    order: dict[torch.device, list[int]] = {}
+    for i in candidates:
+        order.setdefault(where[i][0], []).append(i)
+    flags, indices = [], []
+    for device, members in order.items():
+        then = marks.fingerprints[device][:, [where[i][1] for i in members]]
+        flags.append((now[device].view(torch.int32) != then.view(torch.int32)).any(0).cpu())
+        indices += members
+    changed = [False] * len(params)
+    for index, flag in zip(indices, torch.cat(flags).tolist()):
+        changed[index] = flag
+    return changed
 
 
 @torch.no_grad()
-def apply_edits(pairs: list[tuple[torch.Tensor, torch.Tensor]], marks: list[Mark]) -> int:
+def apply_edits(pairs: list[tuple[torch.Tensor, torch.Tensor]], marks: Marks) -> int:
     """Carry every edit made to the low gradients since :func:`mirror` over to the masters (module docstring).
 
-    Returns how many gradients were edited (one host sync when any was edited in place).
+    Returns how many gradients were edited (one host sync for the fingerprints, one more when any was edited in place).
     """
     scaled = []  # (low grad, master grad): edited in place, maybe a uniform scale
     count = 0
-    for (param, master), mark in zip(pairs, marks):
-        if not _edited(param, mark):
+    params = [param for param, _ in pairs]
+    through_data = _edited_through_data(params, marks)
+    for (param, master), mark, data_edit in zip(pairs, marks.marks, through_data):
+        if not (data_edit or _edited(param, mark)):
             continue
         count += 1
         grad = param.grad
@@ -123,9 +191,9 @@ def _scale_or_copy(scaled: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     The factor is the ratio of the norms (the low gradient held the master's values, rounded, before the edit):
     first one for all the edited gradients together (a clip scales them all alike), then each gradient's own.
     """
-    lows = torch._foreach_norm([low for low, _ in scaled])
+    lows = torch._foreach_norm([low for low, _ in scaled], 2, dtype=torch.float32)  # (not rounded to the low dtype)
     masters = torch._foreach_norm([master for _, master in scaled])
-    norms = torch.stack([torch.stack(lows).float(), torch.stack(masters)]).tolist()  # one host sync
+    norms = torch.stack([torch.stack(lows), torch.stack(masters)]).tolist()  # one host sync
     shared = math.hypot(*norms[0]) / math.hypot(*norms[1]) if any(norms[1]) else math.nan
     for (low, master), low_norm, master_norm in zip(scaled, *norms):
         if _matches(low, master, shared):

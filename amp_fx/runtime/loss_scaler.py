@@ -328,7 +328,7 @@ class LossScaler:
                 found = reduce_over_ranks(found, grads)  # FSDP2: every rank agrees
         mirror = getattr(masters, "_mirror_master_grads", None)
         if callable(mirror) and before_user_code:  # O2: the low gradients read true values too (clip model.parameters())
-            mirror(write=inv_scale != 1.0)
+            mirror(write=inv_scale != 1.0, by_unscale=True)
         if not self._scaling and state["stage"] is _Stage.UNSCALED:
             for dev, flag in state["found_inf"].items():  # a re-check keeps earlier verdicts
                 found[dev] = found[dev] + flag if dev in found else flag

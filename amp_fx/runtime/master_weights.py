@@ -69,6 +69,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Mapping
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -84,9 +86,17 @@ from .master_mapping import MasterMapping, check_fp32_accumulation, check_module
 from .overflow import check_and_unscale_, grads_of
 from .modules import unwrap_compiled
 from .step_impl import fused_sgd_guard, prefer_fast_step
-from amp_fx.errors import AmpKeyError, AmpValueError, checks_keywords
+from amp_fx.errors import AmpKeyError, AmpValueError, AmpWarning, checks_keywords
 
-__all__ = ["MasterWeightOptimizer"]
+__all__ = ["MasterWeightOptimizer", "NoLowGradientsWarning"]
+
+
+class NoLowGradientsWarning(AmpWarning):
+    """fp32_grad_accumulation: nothing edited the masters between ``scaler.unscale_`` and the step.
+
+    The module's low parameters hold no gradient there (each was added into its master and freed), so a
+    ``clip_grad_norm_(gm.parameters(), m)`` after ``unscale_`` returned 0.0 and clipped nothing.
+    """
 
 class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
     """Step fp32 master copies of a low-precision module's parameters, then copy them back.
@@ -160,7 +170,11 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         self._init_face()
         self._grads_synced = False
         # The low gradients as _mirror_master_grads() left them (grad_edits.mirror): edits until the step reach the masters.
-        self._grad_marks: list[grad_edits.Mark] | None = None
+        self._grad_marks: grad_edits.Marks | None = None
+        # fp32_grad_accumulation: the masters' gradients' versions right after the user's scaler.unscale_ (a clip
+        # of the masters moves them; one of gm.parameters() finds no gradient and cannot), and whether it warned.
+        self._versions_at_unscale: list[int] | None = None
+        self._warned_no_low_grads = False
         self._map_parameters(module, masters)
 
         # Map everything first and swap last: a refused optimizer is left untouched.
@@ -311,16 +325,20 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         self._grads_synced = True
         return {device: flag for device, flag in found.items() if device in checked}
 
-    def _mirror_master_grads(self, write: bool = True) -> None:
+    def _mirror_master_grads(self, write: bool = True, by_unscale: bool = False) -> None:
         """Give the module's low gradients their masters' (unscaled, summed) values and watch them until the step.
 
         What :class:`~amp_fx.runtime.LossScaler` calls after unscaling (``write`` False where the scale was 1:
         the low gradients hold those values already) and ``amp_fx.scale_loss`` after its block: at O2,
         ``clip_grad_norm_(model.parameters())`` then reads and clips true gradients, and
         :mod:`~amp_fx.runtime.grad_edits` carries the clip over to the fp32 masters at the step.
-        fp32_grad_accumulation frees the low gradients and FSDP2 shards them: nothing is mirrored there.
+        fp32_grad_accumulation frees the low gradients and FSDP2 shards them: nothing is mirrored there
+        (fp32_grad_accumulation after the user's ``scaler.unscale_``, ``by_unscale``: the step warns once when
+        nothing edited the masters, the sign of a clip of ``gm.parameters()`` that found no gradient).
         """
         self._grads_synced = True
+        if self._fp32_accum and by_unscale:
+            self._versions_at_unscale = [m.grad._version for m in self.master_parameters() if m.grad is not None]
         if self._fp32_accum or any(group.sharded for group in self._copy_groups()):
             return
         self._grad_marks = grad_edits.mirror(self._pairs, write)
@@ -328,6 +346,7 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
     def _discard_synced_grads(self) -> None:
         """Forget this iteration's sync (the scaler skipped the step; fp32_grad_accumulation: drop the sum too)."""
         self._grads_synced = False
+        self._versions_at_unscale = None
         if self._fp32_accum:
             self._free_master_grads()
 
@@ -356,6 +375,7 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
                 return False
             loss = True
         self._sync_grads_to_masters()
+        self._warn_if_clip_found_no_low_grads()
         with fused_sgd_guard(self.optimizer):
             self.optimizer.step()
         self._copy_masters_to_module()
@@ -364,6 +384,27 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         self._grads_synced = False
         self._grad_epoch += 1
         return loss
+
+    def _warn_if_clip_found_no_low_grads(self) -> None:
+        """fp32_grad_accumulation: warn once when the user unscaled and then edited no master gradient.
+
+        ``unscale_`` is called to clip; torch's clip multiplies the gradients it clips even when the clip does not
+        engage, so a clip of the masters moves their version counters. Unmoved, the clip (if any) went to the
+        module's parameters, which hold no gradient here. Ints compared: nothing is synced.
+        """
+        before, self._versions_at_unscale = self._versions_at_unscale, None
+        if before is None or self._warned_no_low_grads:
+            return
+        now = [m.grad._version for m in self.master_parameters() if m.grad is not None]
+        if now == before and not any(param.grad is not None for param, _ in self._pairs):
+            self._warned_no_low_grads = True
+            warnings.warn(
+                "MasterWeightOptimizer(fp32_grad_accumulation=True): nothing changed the fp32 master gradients "
+                "between scaler.unscale_(optimizer) and the step, and the module's low-precision parameters hold no "
+                "gradient (each is added into its master and freed): a clip_grad_norm_(model.parameters(), ...) "
+                "there returns 0.0 and clips nothing. Clip optimizer.master_parameters() "
+                "(amp_fx.master_params(optimizer)) instead. (Warned once.)",
+                NoLowGradientsWarning, stacklevel=3)
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

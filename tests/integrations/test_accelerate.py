@@ -185,3 +185,37 @@ def test_o2_clipping_model_parameters_clips_the_masters(dtype):
     assert norms == master_norms and all(0 < n < float("inf") for n in norms)
     assert all(torch.equal(a, b) for a, b in zip(through_model, through_masters))
     assert not all(torch.equal(a, b) for a, b in zip(through_model, unclipped))
+
+
+SPELLINGS = ["master_params", "master_parameters", "original_model"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_o2_clipping_the_masters_without_unscale_clips(spelling, dtype):
+    """accelerator.clip_grad_norm_/clip_grad_value_ given the masters by any name (amp_fx.master_params(opt),
+    opt.master_parameters(), the original model's parameters: the masters at O2) and no scaler.unscale_ first:
+    before, the masters had no gradient yet, so the norm clip returned 0 and clipped nothing and the value clip
+    died inside torch. It unscales and copies first: bit-exact to unscale_ then clip."""
+    def run(clip, unscale_first):
+        accelerator = _accelerator()
+        original, opt, loader = _setup()
+        model, opt, scaler, _ = prepare(accelerator, original, opt, loader, level="O2", dtype=dtype)
+        params = {"master_params": lambda: amp_fx.master_params(opt), "master_parameters": opt.master_parameters,
+                  "original_model": original.parameters}[spelling]
+        x, y = next(iter(loader))
+        accelerator.backward(scaler.scale(F.cross_entropy(model(x), y)))
+        if unscale_first:
+            scaler.unscale_(opt)
+        ret = (accelerator.clip_grad_norm_(params(), 1e-3) if clip == "norm"
+               else accelerator.clip_grad_value_(params(), 1e-5))
+        assert scaler.step(opt)
+        return [p.detach().clone() for p in opt.master_parameters()], ret
+
+    for clip in ("norm", "value"):
+        clipped, ret = run(clip, unscale_first=False)
+        reference, ref_ret = run(clip, unscale_first=True)
+        assert len(clipped) == 6
+        assert all(torch.equal(a, b) for a, b in zip(clipped, reference))
+        if clip == "norm":
+            assert float(ret) == float(ref_ret) > 1e-3  # the true norm, and the clip engaged

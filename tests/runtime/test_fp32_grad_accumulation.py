@@ -230,3 +230,37 @@ def test_refused_under_torch_distributed(monkeypatch):
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     with pytest.raises(AmpValueError, match="DDP and FSDP"):
         MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gm, fp32_grad_accumulation=True)
+
+
+def test_clipping_the_freed_low_gradients_after_unscale_warns_once():
+    """fp32_grad_accumulation frees the low gradients: clip_grad_norm_(gm.parameters()) after unscale_ returns 0 and
+    clips nothing. The step says so (once); a clip of the masters, the recipe, moves their versions and is silent."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    import amp_fx
+
+    def step(target):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        gm = amp_fx.convert(model, "O2", dtype=torch.float16)
+        opt = amp_fx.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), gm, fp32_grad_accumulation=True)
+        scaler = amp_fx.LossScaler(dtype=torch.float16)
+        caught = []
+        for _ in range(2):
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                scaler.scale(F.mse_loss(gm(torch.ones(4, 8)).float(), torch.zeros(4, 4))).backward()
+                scaler.unscale_(opt)
+                norm = torch.nn.utils.clip_grad_norm_(target(gm, opt), 1e-3)
+                assert scaler.step(opt)
+                scaler.update()
+            caught.append([w for w in record if issubclass(w.category, amp_fx.NoLowGradientsWarning)])
+        return norm, caught
+
+    norm, caught = step(lambda gm, opt: gm.parameters())
+    assert float(norm) == 0.0 and [len(c) for c in caught] == [1, 0]  # once per optimizer
+    assert "master_parameters()" in str(caught[0][0].message)
+    norm, caught = step(lambda gm, opt: opt.master_parameters())
+    assert float(norm) > 1e-3 and caught == [[], []]
