@@ -21,8 +21,10 @@ a graph:
   run under ``torch.autocast`` with the backend's dtype: the mode does not
   see the torch calls inside them, autocast decides those, and its lists
   match amp_fx's for GEMMs;
-- in-place calls, calls writing into ``out=``, calls under the user's own
-  autocast and Python code run by autograd's backward are left alone; a
+- in-place calls, calls writing into ``out=``, calls inside the user's own
+  ``torch.autocast`` region (``enabled=False`` and other dtypes included: the
+  region keeps autocast's meaning) and Python code run by autograd's
+  backward are left alone; a
   policy's ``"fp8"`` runs the low dtype (fp8 needs a graph's scaled GEMM);
 - module and type rules of a policy apply too: the module calls on the
   Python stack name the op's modules, as ``model.named_modules()`` does;
@@ -113,6 +115,23 @@ def _classify(func: Any) -> tuple[Optional[str], str, bool]:
     return op, tables.table_of(op), inplace
 
 
+def _in_user_autocast(device_type: str) -> bool:
+    """Whether the call runs inside the user's own ``torch.autocast`` region: enabled, or ``enabled=False``.
+
+    ``torch.is_autocast_enabled`` alone misses ``with torch.autocast(..., enabled=False)``,
+    whose meaning is "fp32 here": that region must keep it, as autocast and a
+    graph do.  Every ``torch.autocast`` block counts itself in autocast's
+    thread-local nesting depth, enabled or not; torch offers no getter, so the
+    depth is read by bumping it and putting it back.  (The mode's own autocast,
+    for calls no table names, is entered with the mode off: it never counts here.)
+    """
+    if torch.is_autocast_enabled(device_type):
+        return True
+    depth = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return depth > 1
+
+
 def _tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
     """The tensor arguments of a torch call: top level, or in a list or tuple (a TensorList: cat's, lstm's weights)."""
     for value in (*args, *kwargs.values()):
@@ -179,8 +198,8 @@ class EagerDecisions(TorchFunctionMode):
             # An in-place op, or one writing into out=, keeps that tensor's dtype (a cast copy would take the write).
             return func(*args, **kwargs)
         device = _device_of(args, kwargs)
-        if device is None or device.type not in ("cpu", "cuda") or torch.is_autocast_enabled(device.type):
-            return func(*args, **kwargs)  # nothing floating, or the user's own autocast decides
+        if device is None or device.type not in ("cpu", "cuda") or _in_user_autocast(device.type):
+            return func(*args, **kwargs)  # nothing floating, or the user's own autocast region decides
         low = self.low_dtype(device)
         rule = None
         if self.policy.rules:
@@ -272,7 +291,7 @@ def _run_eagerly_in_dynamo() -> None:
     """
     from torch._dynamo.eval_frame import skip_code
 
-    for value in (EagerDecisions, _classify, _tensors, _device_of, _cast_inputs, run_suspended):
+    for value in (EagerDecisions, _classify, _in_user_autocast, _tensors, _device_of, _cast_inputs, run_suspended):
         for code in _codes(value):
             skip_code(code)
     # What the mode calls to classify an op (amp_fx.ir) is never the user's code: skipped as well.

@@ -369,3 +369,37 @@ def test_no_compile_entry_to_enter_from_warns_once():
     text = str(caught[0].message)
     assert "found no torch.compile context" in text and "amp_fx.coverage" in text and "amp_fx.convert" in text
     assert not be.report.eager_decided
+
+
+class Fp32Region(nn.Module):
+    """The user's own ``torch.autocast(enabled=False)`` region, in a method Dynamo does not compile."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+
+    @torch.compiler.disable
+    def region(self, h):
+        with torch.autocast("cpu", enabled=False):
+            return self.b(h.float())
+
+    def forward(self, x):
+        return self.c(self.region(self.a(x)))
+
+
+def test_the_users_autocast_region_keeps_its_meaning_between_graphs():
+    """enabled=False means fp32 there, under autocast and so between graphs; under a dispatch mode (which makes
+    Dynamo run every frame eagerly) as well."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model, x = Fp32Region(), torch.randn(4, 16)
+    compiled = torch.compile(model, backend=_backend())
+    compiled(x)
+    reference = _autocast_forward(model, x)
+    assert reference.by_op == {("addmm", "bfloat16"): 2 * 4 * 16 * 32 + 2 * 4 * 32 * 8, ("addmm", "float32"): 2 * 4 * 32 * 32}
+    assert amp_fx.coverage(compiled, x).by_op == reference.by_op
+    with torch.autocast("cpu", BF16):
+        expected = model(x).float()
+    with FlopCounterMode(display=False):  # Dynamo runs the frames eagerly, under the mode
+        assert torch.equal(compiled(x).float(), expected)
