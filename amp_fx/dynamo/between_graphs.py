@@ -242,6 +242,46 @@ class EagerDecisions(TorchFunctionMode):
             BetweenGraphsWarning, stacklevel=3)
 
 
+def _rnn_input_to_weight_dtype(module: torch.nn.RNNBase, args: tuple) -> Optional[tuple]:
+    """Forward pre-hook of the compiled model's RNN modules: let a low-precision input through their dtype check.
+
+    ``nn.RNNBase.check_input`` refuses an input whose dtype differs from the
+    weights' unless autocast is on.  Between graphs the input is often bf16 (a
+    Linear before the RNN ran low) while autocast is off, so the RNN would
+    raise where autocast runs it.  The hook casts the input up to the weights'
+    dtype (exact: bf16 and fp16 widen losslessly); the RNN op itself (``lstm``,
+    ``gru``, ...) then gets the mode's decision and runs low, as autocast runs
+    it.  It acts only while an :class:`EagerDecisions` mode is on the stack,
+    outside the user's autocast, and never while Dynamo traces.
+    """
+    if torch.compiler.is_compiling() or not args or getattr(_STATE, "suspended", 0):
+        return None
+    if not any(isinstance(mode, EagerDecisions) for mode in torch.overrides._get_current_function_mode_stack()):
+        return None
+    first = args[0]
+    data = first.data if isinstance(first, torch.nn.utils.rnn.PackedSequence) else first
+    weight = module._flat_weights[0] if module._flat_weights else None
+    if (not isinstance(data, torch.Tensor) or not isinstance(weight, torch.Tensor) or data.dtype == weight.dtype
+            or data.dtype not in (torch.float16, torch.bfloat16) or _in_user_autocast(data.device.type)):
+        return None
+    widened = data.to(weight.dtype)
+    first = first._replace(data=widened) if isinstance(first, torch.nn.utils.rnn.PackedSequence) else widened
+    return (first, *args[1:])
+
+
+def _hook_rnn_modules(compiled: Any) -> None:
+    """Add :func:`_rnn_input_to_weight_dtype` (once) to each RNN module of the model ``compiled`` calls."""
+    owner = getattr(compiled, "__self__", None)  # torch.compile(model): Dynamo's wrapper of model.__call__
+    if owner is None:
+        owner = getattr(compiled, "__wrapped__", None)
+    if not isinstance(owner, torch.nn.Module):
+        return  # a compiled function: RNN modules it calls keep torch's check (BetweenGraphsWarning-free: it raises)
+    for module in owner.modules():
+        if isinstance(module, torch.nn.RNNBase) and not any(
+                hook is _rnn_input_to_weight_dtype for hook in module._forward_pre_hooks.values()):
+            module.register_forward_pre_hook(_rnn_input_to_weight_dtype)
+
+
 def _hook_for(backend: Any) -> Callable[[], Callable[[], None]]:
     """An ``enter_exit_hooks`` entry of a Dynamo context: push ``backend``'s mode, return the function that pops it."""
 
@@ -291,7 +331,8 @@ def _run_eagerly_in_dynamo() -> None:
     """
     from torch._dynamo.eval_frame import skip_code
 
-    for value in (EagerDecisions, _classify, _in_user_autocast, _tensors, _device_of, _cast_inputs, run_suspended):
+    for value in (EagerDecisions, _classify, _in_user_autocast, _tensors, _device_of, _cast_inputs, run_suspended,
+                  _rnn_input_to_weight_dtype):
         for code in _codes(value):
             skip_code(code)
     # What the mode calls to classify an op (amp_fx.ir) is never the user's code: skipped as well.
@@ -323,6 +364,7 @@ def attach(backend: Any) -> None:
         return
     if any(getattr(hook, "amp_fx_backend", None) is not None for hook in hooks):
         return  # attached already (another amp_fx backend's mode, compiling this context's frames, decides alike)
+    _hook_rnn_modules(frame.f_locals.get("fn"))
     hook = _hook_for(backend)
     hooks.append(hook)
     cleanups.append(hook())

@@ -403,3 +403,32 @@ def test_the_users_autocast_region_keeps_its_meaning_between_graphs():
         expected = model(x).float()
     with FlopCounterMode(display=False):  # Dynamo runs the frames eagerly, under the mode
         assert torch.equal(compiled(x).float(), expected)
+
+
+class LinearThenRnn(nn.Module):
+    """A Linear (run low) feeds the RNN: torch's RNN dtype check refuses bf16 input with fp32 weights unless autocast."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.rnn = getattr(nn, kind)(16, 16, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.rnn(self.embed(x))[0][:, -1])
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_rnn_fed_a_low_input_runs_as_under_autocast(kind):
+    torch.manual_seed(0)
+    model, x = LinearThenRnn(kind), torch.randn(2, 5, 8)
+    be = _backend()
+    compiled = torch.compile(model, backend=be)
+    with pytest.warns(amp_fx.NothingConvertedWarning):
+        assert compiled(x).dtype == BF16  # eager: the head's output stays as autocast's
+    reference = _autocast_training(model, x)
+    with GemmCounter() as counter:
+        compiled(x).float().sum().backward()
+    assert reference.low_share == 1.0
+    assert counter.coverage.flops == reference.flops
+    _assert_within_autocast_error(model, compiled, (x,))
