@@ -432,3 +432,21 @@ def test_rnn_fed_a_low_input_runs_as_under_autocast(kind):
     assert reference.low_share == 1.0
     assert counter.coverage.flops == reference.flops
     _assert_within_autocast_error(model, compiled, (x,))
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_transformer_encoder_layer_fast_path_in_a_graph_runs_low_as_autocast_does(grad_mode):
+    """Eval without grad and without a mask: Dynamo captures the fused _transformer_encoder_layer_fwd in the graph; fed
+    a low input (the Linear before it ran bf16) it needs its weights low too, as autocast runs its GEMMs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)).eval()
+    x = torch.randn(2, 6, 32)
+    compiled = torch.compile(model, backend=_backend())
+    with grad_mode():
+        got = compiled(x)
+        with torch.autocast("cpu", BF16):
+            reference = model(x)
+        exact = model(x)
+    assert reference.dtype == BF16  # the graph casts its output back (cast_model_outputs)
+    allowed = 2 * (reference.float() - exact).abs().max() + 2 ** -8 * exact.abs().max()
+    assert (got.float() - exact).abs().max() <= allowed
