@@ -450,3 +450,38 @@ def test_transformer_encoder_layer_fast_path_in_a_graph_runs_low_as_autocast_doe
     assert reference.dtype == BF16  # the graph casts its output back (cast_model_outputs)
     allowed = 2 * (reference.float() - exact).abs().max() + 2 ** -8 * exact.abs().max()
     assert (got.float() - exact).abs().max() <= allowed
+
+
+class MatmulFn(torch.autograd.Function):
+    """A custom Function doing ``x @ w``: Dynamo keeps it as one autograd_function_apply node."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w.t(), x.t() @ grad
+
+
+class WithMatmulFn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.w = nn.Linear(16, 32), nn.Parameter(torch.randn(32, 32) * 0.1)
+
+    def forward(self, x):
+        return MatmulFn.apply(self.a(x), self.w)
+
+
+@pytest.mark.parametrize("decision, dtype", [("fp32", torch.float32), ("low", BF16)])
+def test_policy_op_rule_names_a_custom_function_on_the_backend_route(decision, dtype):
+    """policy={"op:MatmulFn": ...} decides the Function's node, as on convert (without it: bf16 x @ fp32 w)."""
+    torch.manual_seed(0)
+    model, x = WithMatmulFn(), torch.randn(4, 16)
+    be = _backend(policy={"op:MatmulFn": decision}, cast_model_outputs=False)
+    out = torch.compile(model, backend=be)(x)
+    out.float().sum().backward()
+    assert out.dtype == dtype and model.w.grad.dtype == torch.float32
+    assert [r.decision for r in be.report.graphs[0].report.nodes if r.op == "MatmulFn"] == [decision]
