@@ -74,3 +74,30 @@ def test_bad_input_is_refused():
         amp_fx.coverage(3, torch.randn(2))
     with pytest.raises(amp_fx.AmpTypeError, match="loss_fn"):
         amp_fx.coverage(nn.Linear(2, 2).requires_grad_(False), torch.randn(1, 2), backward=True)
+
+
+def test_cpu_attention_kernel_forward_and_backward():
+    """q, k (B=2, H=2, L=6, S=8, E=16), v (Ev=16; Ev != E takes the math path, bmm):
+    Q·Kᵀ 2·B·H·L·S·E, P·V 2·B·H·L·S·Ev; the backward twice the forward."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 6, 16, requires_grad=True)
+    k, v = torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
+    forward = 2 * 2 * 2 * 6 * 8 * 16 * 2  # 6144 + 6144
+
+    def attention(q):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    cov = amp_fx.coverage(attention, q, backward=True)
+    assert cov.by_op == {("_scaled_dot_product_flash_attention_for_cpu", "float32"): forward,
+                         ("_scaled_dot_product_flash_attention_for_cpu_backward", "float32"): 2 * forward}
+    with torch.autocast("cpu", torch.bfloat16):
+        assert amp_fx.coverage(attention, q).flops == {"bfloat16": forward}
+
+
+def test_matvec_dot_and_bilinear_flops():
+    """(3x4)·(4): 12 multiply-adds; (4)·(4): 4; bilinear N=3, I=4, J=5, O=6: N·O·I·J = 360."""
+    torch.manual_seed(0)
+    assert amp_fx.coverage(lambda a, b: a @ b, torch.randn(3, 4), torch.randn(4)).by_op == {("mv", "float32"): 24}
+    assert amp_fx.coverage(lambda a, b: a @ b, torch.randn(4), torch.randn(4)).by_op == {("dot", "float32"): 8}
+    bilinear = nn.Bilinear(4, 5, 6, bias=False)
+    assert amp_fx.coverage(bilinear, torch.randn(3, 4), torch.randn(3, 5)).by_op == {("_trilinear", "float32"): 2 * 360}
