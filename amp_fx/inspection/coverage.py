@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from amp_fx.errors import AmpTypeError
+from amp_fx.graph_ops.outer_autocast import no_outer_autocast
 
 __all__ = ["Coverage", "GemmCounter", "coverage"]
 
@@ -215,7 +216,10 @@ def coverage(model: Callable, *args: Any, backward: bool = False, loss_fn: Optio
     Args:
         backward: also run the backward pass (of ``loss_fn(output)``, or of
             the sum of the output's floating-point tensors) and count its
-            GEMMs.  Gradients accumulate into ``.grad`` as in training.
+            GEMMs.  Gradients accumulate into ``.grad`` as in training.  The
+            loss and the backward run outside any autocast the caller entered
+            (the forward inside it), as a training step runs them: under
+            autocast, the backward of an ``enabled=False`` region would run low.
         loss_fn: turns the output into a scalar loss; implies ``backward``.
     """
     if not callable(model):
@@ -224,8 +228,9 @@ def coverage(model: Callable, *args: Any, backward: bool = False, loss_fn: Optio
     with GemmCounter() as counter:
         output = model(*args, **kwargs)
         if backward:
-            loss = loss_fn(output) if loss_fn is not None else _sum_of(output)
-            loss.backward()
+            with no_outer_autocast():  # as a training step runs them: after the forward's autocast block
+                loss = loss_fn(output) if loss_fn is not None else _sum_of(output)
+                loss.backward()
     return counter.coverage
 
 
