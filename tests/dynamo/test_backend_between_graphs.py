@@ -387,6 +387,7 @@ class Fp32Region(nn.Module):
         return self.c(self.region(self.a(x)))
 
 
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")  # FlopCounterMode's
 def test_the_users_autocast_region_keeps_its_meaning_between_graphs():
     """enabled=False means fp32 there, under autocast and so between graphs; under a dispatch mode (which makes
     Dynamo run every frame eagerly) as well."""
