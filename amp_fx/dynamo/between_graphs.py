@@ -235,8 +235,8 @@ class EagerDecisions(TorchFunctionMode):
             f"{op} at {_user_line()} ran eagerly between the graphs of a model compiled with the backend "
             f"{self.owner} (a graph break or a frame Dynamo skipped), outside any module of the compiled model: the "
             f"policy's module and type rules ({', '.join(self.module_rules)}) cannot apply to it, so the op tables (and op "
-            "rules) decided it. Measure the share of GEMM FLOPs that ran in each dtype with "
-            "amp_fx.coverage(compiled_model, *inputs). Ways out: remove the graph break "
+            "rules) decided it. Measure the share of GEMM FLOPs that ran in each dtype with amp_fx.coverage("
+            "compiled_model, *inputs). Ways out: remove the graph break "
             "(torch._dynamo.explain(model)(*inputs) lists them), decide the op with an op rule "
             "(policy={'op:linear': 'fp32'}), or convert first: amp_fx.convert(model, policy=...).",
             BetweenGraphsWarning, stacklevel=3)
