@@ -21,8 +21,10 @@ a graph:
   run under ``torch.autocast`` with the backend's dtype: the mode does not
   see the torch calls inside them, autocast decides those, and its lists
   match amp_fx's for GEMMs;
-- in-place calls, calls writing into ``out=``, calls under the user's own
-  autocast and Python code run by autograd's backward are left alone; a
+- in-place calls, calls writing into ``out=``, calls inside the user's own
+  ``torch.autocast`` region (``enabled=False`` and other dtypes included: the
+  region keeps autocast's meaning) and Python code run by autograd's
+  backward are left alone; a
   policy's ``"fp8"`` runs the low dtype (fp8 needs a graph's scaled GEMM);
 - module and type rules of a policy apply too: the module calls on the
   Python stack name the op's modules, as ``model.named_modules()`` does;
@@ -113,6 +115,23 @@ def _classify(func: Any) -> tuple[Optional[str], str, bool]:
     return op, tables.table_of(op), inplace
 
 
+def _in_user_autocast(device_type: str) -> bool:
+    """Whether the call runs inside the user's own ``torch.autocast`` region: enabled, or ``enabled=False``.
+
+    ``torch.is_autocast_enabled`` alone misses ``with torch.autocast(..., enabled=False)``,
+    whose meaning is "fp32 here": that region must keep it, as autocast and a
+    graph do.  Every ``torch.autocast`` block counts itself in autocast's
+    thread-local nesting depth, enabled or not; torch offers no getter, so the
+    depth is read by bumping it and putting it back.  (The mode's own autocast,
+    for calls no table names, is entered with the mode off: it never counts here.)
+    """
+    if torch.is_autocast_enabled(device_type):
+        return True
+    depth = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return depth > 1
+
+
 def _tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
     """The tensor arguments of a torch call: top level, or in a list or tuple (a TensorList: cat's, lstm's weights)."""
     for value in (*args, *kwargs.values()):
@@ -179,8 +198,8 @@ class EagerDecisions(TorchFunctionMode):
             # An in-place op, or one writing into out=, keeps that tensor's dtype (a cast copy would take the write).
             return func(*args, **kwargs)
         device = _device_of(args, kwargs)
-        if device is None or device.type not in ("cpu", "cuda") or torch.is_autocast_enabled(device.type):
-            return func(*args, **kwargs)  # nothing floating, or the user's own autocast decides
+        if device is None or device.type not in ("cpu", "cuda") or _in_user_autocast(device.type):
+            return func(*args, **kwargs)  # nothing floating, or the user's own autocast region decides
         low = self.low_dtype(device)
         rule = None
         if self.policy.rules:
@@ -216,11 +235,51 @@ class EagerDecisions(TorchFunctionMode):
             f"{op} at {_user_line()} ran eagerly between the graphs of a model compiled with the backend "
             f"{self.owner} (a graph break or a frame Dynamo skipped), outside any module of the compiled model: the "
             f"policy's module and type rules ({', '.join(self.module_rules)}) cannot apply to it, so the op tables (and op "
-            "rules) decided it. Measure the share of GEMM FLOPs that ran in each dtype with "
-            "amp_fx.coverage(compiled_model, *inputs). Ways out: remove the graph break "
+            "rules) decided it. Measure the share of GEMM FLOPs that ran in each dtype with amp_fx.coverage("
+            "compiled_model, *inputs). Ways out: remove the graph break "
             "(torch._dynamo.explain(model)(*inputs) lists them), decide the op with an op rule "
             "(policy={'op:linear': 'fp32'}), or convert first: amp_fx.convert(model, policy=...).",
             BetweenGraphsWarning, stacklevel=3)
+
+
+def _rnn_input_to_weight_dtype(module: torch.nn.RNNBase, args: tuple) -> Optional[tuple]:
+    """Forward pre-hook of the compiled model's RNN modules: let a low-precision input through their dtype check.
+
+    ``nn.RNNBase.check_input`` refuses an input whose dtype differs from the
+    weights' unless autocast is on.  Between graphs the input is often bf16 (a
+    Linear before the RNN ran low) while autocast is off, so the RNN would
+    raise where autocast runs it.  The hook casts the input up to the weights'
+    dtype (exact: bf16 and fp16 widen losslessly); the RNN op itself (``lstm``,
+    ``gru``, ...) then gets the mode's decision and runs low, as autocast runs
+    it.  It acts only while an :class:`EagerDecisions` mode is on the stack,
+    outside the user's autocast, and never while Dynamo traces.
+    """
+    if torch.compiler.is_compiling() or not args or getattr(_STATE, "suspended", 0):
+        return None
+    if not any(isinstance(mode, EagerDecisions) for mode in torch.overrides._get_current_function_mode_stack()):
+        return None
+    first = args[0]
+    data = first.data if isinstance(first, torch.nn.utils.rnn.PackedSequence) else first
+    weight = module._flat_weights[0] if module._flat_weights else None
+    if (not isinstance(data, torch.Tensor) or not isinstance(weight, torch.Tensor) or data.dtype == weight.dtype
+            or data.dtype not in (torch.float16, torch.bfloat16) or _in_user_autocast(data.device.type)):
+        return None
+    widened = data.to(weight.dtype)
+    first = first._replace(data=widened) if isinstance(first, torch.nn.utils.rnn.PackedSequence) else widened
+    return (first, *args[1:])
+
+
+def _hook_rnn_modules(compiled: Any) -> None:
+    """Add :func:`_rnn_input_to_weight_dtype` (once) to each RNN module of the model ``compiled`` calls."""
+    owner = getattr(compiled, "__self__", None)  # torch.compile(model): Dynamo's wrapper of model.__call__
+    if owner is None:
+        owner = getattr(compiled, "__wrapped__", None)
+    if not isinstance(owner, torch.nn.Module):
+        return  # a compiled function: RNN modules it calls keep torch's check (BetweenGraphsWarning-free: it raises)
+    for module in owner.modules():
+        if isinstance(module, torch.nn.RNNBase) and not any(
+                hook is _rnn_input_to_weight_dtype for hook in module._forward_pre_hooks.values()):
+            module.register_forward_pre_hook(_rnn_input_to_weight_dtype)
 
 
 def _hook_for(backend: Any) -> Callable[[], Callable[[], None]]:
@@ -272,7 +331,8 @@ def _run_eagerly_in_dynamo() -> None:
     """
     from torch._dynamo.eval_frame import skip_code
 
-    for value in (EagerDecisions, _classify, _tensors, _device_of, _cast_inputs, run_suspended):
+    for value in (EagerDecisions, _classify, _in_user_autocast, _tensors, _device_of, _cast_inputs, run_suspended,
+                  _rnn_input_to_weight_dtype):
         for code in _codes(value):
             skip_code(code)
     # What the mode calls to classify an op (amp_fx.ir) is never the user's code: skipped as well.
@@ -304,6 +364,7 @@ def attach(backend: Any) -> None:
         return
     if any(getattr(hook, "amp_fx_backend", None) is not None for hook in hooks):
         return  # attached already (another amp_fx backend's mode, compiling this context's frames, decides alike)
+    _hook_rnn_modules(frame.f_locals.get("fn"))
     hook = _hook_for(backend)
     hooks.append(hook)
     cleanups.append(hook())

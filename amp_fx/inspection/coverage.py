@@ -11,7 +11,10 @@ be compared.
 Counted ops are the GEMMs of :data:`torch.utils.flop_counter.flop_registry`
 (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``convolution`` and its backward,
 ``_scaled_mm``, the fused scaled-dot-product-attention kernels and their
-backwards), plus oneDNN's fused LSTM layer (``mkldnn_rnn_layer``, which is
+backwards), CPU's fused attention kernel and its backward
+(``_scaled_dot_product_flash_attention_for_cpu``: 2·B·H·L·S·(E+Ev) forward,
+twice that backward, causal masks not discounted), ``mv``, ``dot`` and
+``vdot`` (``a @ v``, ``v @ v``), ``_trilinear`` (``F.bilinear``), plus oneDNN's fused LSTM layer (``mkldnn_rnn_layer``, which is
 how CPU autocast runs a bf16 ``nn.LSTM``) and its backward.  ``linear`` and ``matmul`` reach
 dispatch as ``addmm``/``mm``/``bmm``.  An op's dtype is that of its first
 tensor input (``_scaled_mm``'s fp8 operands count as fp8).  GEMMs that
@@ -28,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from amp_fx.errors import AmpTypeError
+from amp_fx.graph_ops.outer_autocast import no_outer_autocast
 
 __all__ = ["Coverage", "GemmCounter", "coverage"]
 
@@ -41,12 +45,57 @@ def _lstm_layer_flops(args: tuple, kwargs: dict, out: Any) -> int:
     return 2 * steps_and_batch * (w_ih.numel() + w_hh.numel())
 
 
+def _cpu_attention_flops(args: tuple, kwargs: dict, out: Any) -> int:
+    """CPU's fused SDPA kernel on q (B,H,L,E), k (B,H,S,E), v (B,H,S,Ev): Q·Kᵀ and P·V, 2·B·H·L·S·(E+Ev).
+
+    A causal mask is not discounted (torch's flop counter does not either).
+    """
+    query, key, value = args[0], args[1], args[2]
+    batch_heads_rows = query.numel() // query.shape[-1]  # B·H·L
+    return 2 * batch_heads_rows * key.shape[-2] * (query.shape[-1] + value.shape[-1])
+
+
+def _cpu_attention_backward_flops(args: tuple, kwargs: dict, out: Any) -> int:
+    """The fused SDPA backward (grad_out, q, k, v, ...): the gradients of both GEMMs of each side, twice the forward."""
+    return 2 * _cpu_attention_flops(args[1:4], kwargs, out)
+
+
+def _trilinear_flops(args: tuple, kwargs: dict, out: Any) -> int:
+    """``_trilinear`` (what ``F.bilinear`` runs): one multiply-add per point of the three inputs' joint index space.
+
+    Each input is unsqueezed at its ``expand`` dims, so the three broadcast to
+    that space (N·O·I·J for bilinear's input1 (N,I), weight (O,I,J), input2 (N,J)).
+    """
+    shapes = []
+    for tensor, expand in zip(args[:3], args[3:6]):
+        shape = list(tensor.shape)
+        for dim in sorted(expand):
+            shape.insert(dim, 1)
+        shapes.append(shape)
+    points = 1
+    for size in torch.broadcast_shapes(*shapes):
+        points *= size
+    return 2 * points
+
+
 def _formulas() -> dict:
     from torch.utils.flop_counter import flop_registry
 
     formulas: dict[Any, Callable] = {}
     for packet, formula in flop_registry.items():
         formulas[packet] = lambda args, kwargs, out, _formula=formula: _formula(*args, **kwargs, out_val=out)
+    extra = {
+        "_scaled_dot_product_flash_attention_for_cpu": _cpu_attention_flops,
+        "_scaled_dot_product_flash_attention_for_cpu_backward": _cpu_attention_backward_flops,
+        "mv": lambda args, kwargs, out: 2 * args[0].numel(),  # (M,N)·(N): M·N multiply-adds
+        "dot": lambda args, kwargs, out: 2 * args[0].numel(),
+        "vdot": lambda args, kwargs, out: 2 * args[0].numel(),
+        "_trilinear": _trilinear_flops,
+    }
+    for name, formula in extra.items():
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None and packet not in formulas:
+            formulas[packet] = formula
     rnn_layer = getattr(torch.ops.aten, "mkldnn_rnn_layer", None)
     if rnn_layer is not None:
         formulas[rnn_layer] = _lstm_layer_flops
@@ -167,7 +216,10 @@ def coverage(model: Callable, *args: Any, backward: bool = False, loss_fn: Optio
     Args:
         backward: also run the backward pass (of ``loss_fn(output)``, or of
             the sum of the output's floating-point tensors) and count its
-            GEMMs.  Gradients accumulate into ``.grad`` as in training.
+            GEMMs.  Gradients accumulate into ``.grad`` as in training.  The
+            loss and the backward run outside any autocast the caller entered
+            (the forward inside it), as a training step runs them: under
+            autocast, the backward of an ``enabled=False`` region would run low.
         loss_fn: turns the output into a scalar loss; implies ``backward``.
     """
     if not callable(model):
@@ -176,8 +228,9 @@ def coverage(model: Callable, *args: Any, backward: bool = False, loss_fn: Optio
     with GemmCounter() as counter:
         output = model(*args, **kwargs)
         if backward:
-            loss = loss_fn(output) if loss_fn is not None else _sum_of(output)
-            loss.backward()
+            with no_outer_autocast():  # as a training step runs them: after the forward's autocast block
+                loss = loss_fn(output) if loss_fn is not None else _sum_of(output)
+                loss.backward()
     return counter.coverage
 
 

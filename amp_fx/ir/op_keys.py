@@ -359,6 +359,8 @@ def _resolve(node: fx.Node, root: Optional[nn.Module]) -> tuple[Optional[str], b
             return "amp_cast", False
         if getattr(node.target, "_amp_fx_op", None):  # amp_fx's other helpers say which op they are
             return node.target._amp_fx_op, False
+        if name == "autograd_function_apply":
+            return _autograd_function_name(node), False
         return name, inplace or node.kwargs.get("inplace", False) is True
     if node.op == "call_method":
         name, inplace = _strip_inplace(str(node.target))
@@ -367,6 +369,26 @@ def _resolve(node: fx.Node, root: Optional[nn.Module]) -> tuple[Optional[str], b
         module = root.get_submodule(str(node.target))
         return module_op_name(module), bool(getattr(module, "inplace", False))
     return None, False
+
+
+_APPLY_CALL = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.apply\(")
+
+
+def _autograd_function_name(node: fx.Node) -> str:
+    """The op name of Dynamo's ``autograd_function_apply`` node: its Function's class name, as the convert route names it.
+
+    Dynamo keeps a custom ``autograd.Function`` as this higher-order op and
+    records no class, only the call's source line (``Fn.apply(x, w)``): the
+    name before ``.apply(`` there is the class, so ``policy={"op:Fn": ...}``
+    decides it on the backend route as on convert.  A call spelt otherwise
+    keeps the op's own name.
+    """
+    lines = [line for line in str(node.meta.get("stack_trace") or "").splitlines() if line.strip()]
+    for line in reversed(lines):
+        found = _APPLY_CALL.findall(line)
+        if found:
+            return found[-1]
+    return "autograd_function_apply"
 
 
 def canonical_op(node: fx.Node, root: Optional[nn.Module] = None) -> Optional[str]:

@@ -72,6 +72,12 @@ _LOW_ROWS: dict[str, str] = {
         "attention: fused kernels need low-precision inputs",
         "scaled_dot_product_attention", "multi_head_attention",
     ),
+    # nn.TransformerEncoderLayer's inference fast path (eval, no grad): one fused op of two GEMM blocks.
+    # CPU autocast runs it with its inner GEMMs low; it needs input and weights in one dtype.
+    **_group(
+        "fused encoder layer (TransformerEncoderLayer's fast path): its GEMMs run low under autocast",
+        "_transformer_encoder_layer_fwd",
+    ),
     # -- custom ops that libraries register (keyed "ns::name") --------------------------------
     # transformers' MoE experts (integrations/moe.py): a loop of torch.mm over each expert's rows,
     # wrapped as one op so torch.compile does not look inside.  It is a GEMM like mm: autocast

@@ -369,3 +369,120 @@ def test_no_compile_entry_to_enter_from_warns_once():
     text = str(caught[0].message)
     assert "found no torch.compile context" in text and "amp_fx.coverage" in text and "amp_fx.convert" in text
     assert not be.report.eager_decided
+
+
+class Fp32Region(nn.Module):
+    """The user's own ``torch.autocast(enabled=False)`` region, in a method Dynamo does not compile."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+
+    @torch.compiler.disable
+    def region(self, h):
+        with torch.autocast("cpu", enabled=False):
+            return self.b(h.float())
+
+    def forward(self, x):
+        return self.c(self.region(self.a(x)))
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")  # FlopCounterMode's
+def test_the_users_autocast_region_keeps_its_meaning_between_graphs():
+    """enabled=False means fp32 there, under autocast and so between graphs; under a dispatch mode (which makes
+    Dynamo run every frame eagerly) as well."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model, x = Fp32Region(), torch.randn(4, 16)
+    compiled = torch.compile(model, backend=_backend())
+    compiled(x)
+    reference = _autocast_forward(model, x)
+    assert reference.by_op == {("addmm", "bfloat16"): 2 * 4 * 16 * 32 + 2 * 4 * 32 * 8, ("addmm", "float32"): 2 * 4 * 32 * 32}
+    assert amp_fx.coverage(compiled, x).by_op == reference.by_op
+    with torch.autocast("cpu", BF16):
+        expected = model(x).float()
+    with FlopCounterMode(display=False):  # Dynamo runs the frames eagerly, under the mode
+        assert torch.equal(compiled(x).float(), expected)
+
+
+class LinearThenRnn(nn.Module):
+    """A Linear (run low) feeds the RNN: torch's RNN dtype check refuses bf16 input with fp32 weights unless autocast."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.rnn = getattr(nn, kind)(16, 16, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.rnn(self.embed(x))[0][:, -1])
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_rnn_fed_a_low_input_runs_as_under_autocast(kind):
+    torch.manual_seed(0)
+    model, x = LinearThenRnn(kind), torch.randn(2, 5, 8)
+    be = _backend()
+    compiled = torch.compile(model, backend=be)
+    with pytest.warns(amp_fx.NothingConvertedWarning):
+        assert compiled(x).dtype == BF16  # eager: the head's output stays as autocast's
+    reference = _autocast_training(model, x)
+    with GemmCounter() as counter:
+        compiled(x).float().sum().backward()
+    assert reference.low_share == 1.0
+    assert counter.coverage.flops == reference.flops
+    _assert_within_autocast_error(model, compiled, (x,))
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_transformer_encoder_layer_fast_path_in_a_graph_runs_low_as_autocast_does(grad_mode):
+    """Eval without grad and without a mask: Dynamo captures the fused _transformer_encoder_layer_fwd in the graph; fed
+    a low input (the Linear before it ran bf16) it needs its weights low too, as autocast runs its GEMMs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)).eval()
+    x = torch.randn(2, 6, 32)
+    compiled = torch.compile(model, backend=_backend())
+    with grad_mode():
+        got = compiled(x)
+        with torch.autocast("cpu", BF16):
+            reference = model(x)
+        exact = model(x)
+    assert reference.dtype == BF16  # the graph casts its output back (cast_model_outputs)
+    allowed = 2 * (reference.float() - exact).abs().max() + 2 ** -8 * exact.abs().max()
+    assert (got.float() - exact).abs().max() <= allowed
+
+
+class MatmulFn(torch.autograd.Function):
+    """A custom Function doing ``x @ w``: Dynamo keeps it as one autograd_function_apply node."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w.t(), x.t() @ grad
+
+
+class WithMatmulFn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.w = nn.Linear(16, 32), nn.Parameter(torch.randn(32, 32) * 0.1)
+
+    def forward(self, x):
+        return MatmulFn.apply(self.a(x), self.w)
+
+
+@pytest.mark.parametrize("decision, dtype", [("fp32", torch.float32), ("low", BF16)])
+def test_policy_op_rule_names_a_custom_function_on_the_backend_route(decision, dtype):
+    """policy={"op:MatmulFn": ...} decides the Function's node, as on convert (without it: bf16 x @ fp32 w)."""
+    torch.manual_seed(0)
+    model, x = WithMatmulFn(), torch.randn(4, 16)
+    be = _backend(policy={"op:MatmulFn": decision}, cast_model_outputs=False)
+    out = torch.compile(model, backend=be)(x)
+    out.float().sum().backward()
+    assert out.dtype == dtype and model.w.grad.dtype == torch.float32
+    assert [r.decision for r in be.report.graphs[0].report.nodes if r.op == "MatmulFn"] == [decision]

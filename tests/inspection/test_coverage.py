@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 import amp_fx
+from amp_fx.inspection.coverage import GemmCounter
 
 # Two Linear layers on a batch of 3: forward GEMM FLOPs, derived by hand (2 * M * K * N per GEMM).
 FC1 = 2 * 3 * 8 * 16  # x (3x8) @ W1.T (8x16): 768
@@ -74,3 +75,57 @@ def test_bad_input_is_refused():
         amp_fx.coverage(3, torch.randn(2))
     with pytest.raises(amp_fx.AmpTypeError, match="loss_fn"):
         amp_fx.coverage(nn.Linear(2, 2).requires_grad_(False), torch.randn(1, 2), backward=True)
+
+
+def test_cpu_attention_kernel_forward_and_backward():
+    """q, k (B=2, H=2, L=6, S=8, E=16), v (Ev=16; Ev != E takes the math path, bmm):
+    Q·Kᵀ 2·B·H·L·S·E, P·V 2·B·H·L·S·Ev; the backward twice the forward."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 6, 16, requires_grad=True)
+    k, v = torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
+    forward = 2 * 2 * 2 * 6 * 8 * 16 * 2  # 6144 + 6144
+
+    def attention(q):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    cov = amp_fx.coverage(attention, q, backward=True)
+    assert cov.by_op == {("_scaled_dot_product_flash_attention_for_cpu", "float32"): forward,
+                         ("_scaled_dot_product_flash_attention_for_cpu_backward", "float32"): 2 * forward}
+    with torch.autocast("cpu", torch.bfloat16):
+        assert amp_fx.coverage(attention, q).flops == {"bfloat16": forward}
+
+
+def test_matvec_dot_and_bilinear_flops():
+    """(3x4)·(4): 12 multiply-adds; (4)·(4): 4; bilinear N=3, I=4, J=5, O=6: N·O·I·J = 360."""
+    torch.manual_seed(0)
+    assert amp_fx.coverage(lambda a, b: a @ b, torch.randn(3, 4), torch.randn(4)).by_op == {("mv", "float32"): 24}
+    assert amp_fx.coverage(lambda a, b: a @ b, torch.randn(4), torch.randn(4)).by_op == {("dot", "float32"): 8}
+    bilinear = nn.Bilinear(4, 5, 6, bias=False)
+    assert amp_fx.coverage(bilinear, torch.randn(3, 4), torch.randn(3, 5)).by_op == {("_trilinear", "float32"): 2 * 360}
+
+
+class WithFp32Region(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.autocast("cpu", enabled=False):
+            return self.b(h.float())
+
+
+def test_backward_runs_outside_the_callers_autocast_as_in_training():
+    """Inside `with torch.autocast`, coverage(backward=True) counts a training step: backward after the block, so the
+    backward of the enabled=False region stays fp32 (a backward under autocast would run it bf16)."""
+    torch.manual_seed(0)
+    model, x = WithFp32Region(), torch.randn(3, 8)
+    with GemmCounter() as counter:
+        with torch.autocast("cpu", torch.bfloat16):
+            out = model(x)
+        out.float().sum().backward()
+    with torch.autocast("cpu", torch.bfloat16):
+        cov = amp_fx.coverage(model, x, backward=True)
+    assert cov.by_op == counter.coverage.by_op
+    # b's input gradient (3x4 @ 4x16) and weight gradient (4x3 @ 3x16) in fp32: x needs no grad, a's weight grad is bf16.
+    assert cov.by_op[("mm", "float32")] == 2 * 3 * 4 * 16 + 2 * 4 * 3 * 16

@@ -102,6 +102,11 @@ def low_cases():
         "rnn_relu": [("module", Wrap(nn.RNN(8, 5, nonlinearity="relu", batch_first=True), pick=0), (r(2, 3, 8),))],
         "scaled_dot_product_attention": [("torch", Call(lambda m, q: F.scaled_dot_product_attention(q, q, q)), (r(1, 2, 4, 8),))],
         "multi_head_attention": [("module", Wrap(nn.MultiheadAttention(8, 2, batch_first=True), pick=0), (r(2, 3, 8),) * 3)],
+        # TransformerEncoderLayer's inference fast path, called as the layer calls it (embed 8, 2 heads, ffn 16).
+        "_transformer_encoder_layer_fwd": [("torch", Call(lambda m, x: torch._transformer_encoder_layer_fwd(
+            x, 8, 2, m.qkv, m.qkv_b, m.proj, m.proj_b, False, False, 1e-5, m.n1, m.n1_b, m.n2, m.n2_b, m.ff1, m.ff1_b,
+            m.ff2, m.ff2_b), qkv=r(24, 8), qkv_b=r(24), proj=r(8, 8), proj_b=r(8), n1=r(8), n1_b=r(8), n2=r(8),
+            n2_b=r(8), ff1=r(16, 8), ff1_b=r(16), ff2=r(8, 16), ff2_b=r(8)), (r(2, 3, 8),))],
     }
 
 
