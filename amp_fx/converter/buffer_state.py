@@ -62,6 +62,12 @@ def copy_sharing_buffers(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` whose buffers are the model's own tensors (its modules and parameters are new)."""
     refuse_legacy_weight_norm(model)  # its weight is a hook-computed tensor: a copy cannot keep its meaning
     memo: dict[int, Any] = {id(buffer): buffer for buffer in model.buffers()}
+    for module in model.modules():
+        for value in module.__dict__.values():
+            # A value an earlier forward left on the module (``self.last_norm = h.norm()``) is shared, not copied:
+            # deepcopy refuses a tensor autograd recorded, and the copy's next forward replaces it anyway.
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                memo[id(value)] = value
     return copy.deepcopy(model, memo)
 
 

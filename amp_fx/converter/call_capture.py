@@ -32,7 +32,10 @@ cannot import it.
 
 from __future__ import annotations
 
+import copy
 import functools
+import inspect
+import types
 import weakref
 from typing import Any, Callable, Optional
 
@@ -179,6 +182,41 @@ class CapturedCall:
         return _cast_floats(result, self.exit_dtype, only=self.low_dtype)
 
 
+def _own_code(function: Callable) -> Callable:
+    """``function`` with a code object of its own (same body, globals, defaults and closure).
+
+    Dynamo keeps its compiled graphs, and counts its recompile limit, per code object: with the class's own
+    ``forward`` every conversion of one class would share them, and from the limit on (8 conversions) each new one
+    would run eagerly, graphless.  Its own code object gives each conversion its own cache.
+    """
+    if not isinstance(function, types.FunctionType):
+        return function
+    own = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                             function.__defaults__, function.__closure__)
+    own.__kwdefaults__ = function.__kwdefaults__
+    own.__qualname__, own.__module__, own.__doc__ = function.__qualname__, function.__module__, function.__doc__
+    own.__dict__.update(function.__dict__)
+    return own
+
+
+def _save_pretrained(clone: nn.Module, model: nn.Module, save_directory: Any, **kwargs: Any) -> Any:
+    """The copy's ``save_pretrained``: the model's own, writing the copy's weights in the model's dtypes.
+
+    Saved by the copy itself, a library reads the dtype of the low parameters (O2/O3): Hugging Face writes
+    ``"dtype": "bfloat16"`` into config.json, so ``from_pretrained`` loads a bf16 model, and into the config
+    object the copy shares with the model, which ``convert`` must not change.  The copy's ``state_dict`` holds
+    the model's dtypes (fp32 masters at O2), so the model writes it.
+    """
+    if "state_dict" in inspect.signature(model.save_pretrained).parameters:
+        kwargs.setdefault("state_dict", clone.state_dict())
+        return model.save_pretrained(save_directory, **kwargs)
+    if clone.amp_config.cast_params and not clone.amp_config.master_weights:  # O3: only the copy holds the weights
+        holder = copy.deepcopy(model)
+        holder.load_state_dict(clone.state_dict())
+        return holder.save_pretrained(save_directory, **kwargs)
+    return model.save_pretrained(save_directory, **kwargs)  # O0-O2: the model's parameters are the weights
+
+
 def _backend_for(config: AmpConfig, policy: Policy) -> Any:
     """amp_fx's Dynamo backend deciding each graph as ``config``'s level does, compiling nothing (inner eager)."""
     if _backend_factory is None:
@@ -220,13 +258,15 @@ def capture_from_call(model: nn.Module, config: AmpConfig, policy: Policy, why: 
         clone.__dict__[_CAPTURED_ATTR] = None
     else:
         backend = _backend_for(config, policy)
-        own_forward = model.__dict__.get("forward") or type(model).forward.__get__(clone)
+        own_forward = model.__dict__.get("forward") or _own_code(type(model).forward).__get__(clone)
         call = CapturedCall(clone, own_forward, backend, config)
         clone.__dict__["forward"] = call
         clone.__dict__[_CAPTURED_ATTR] = call
         compiled_report = backend.report
         if config.cast_params:
             notes.append("the model's buffers are shared and stay in their dtype; each graph casts them where read")
+    if callable(getattr(type(model), "save_pretrained", None)):  # a Hugging Face or diffusers model
+        clone.__dict__["save_pretrained"] = functools.partial(_save_pretrained, clone, model)
     clone.amp_report = CapturedReport(config.level, dtype, why, compiled_report, notes)
     clone.amp_config = config
     clone.__dict__[ROUTE_ATTR] = CALL_ROUTE

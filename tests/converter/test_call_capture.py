@@ -165,3 +165,65 @@ def test_the_report_lists_graphs_and_breaks_and_says_why():
     text = str(report)
     assert "captured from the call with Dynamo" in text and "Tensor.item()" in text and "int(proxy)" not in text
     assert "whole-graph capture failed" in text and report.totals()["graphs"] == len([g for g in report.graphs if g.region is None])
+
+
+class _AssertingNet(torch.nn.Module):
+    """A shape assert (fx cannot trace it) over Linear, LayerNorm and a loss computed inside forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln, self.out = torch.nn.Linear(16, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 10)
+
+    def forward(self, x, targets):
+        assert x.shape[-1] == 16
+        h = self.out(self.ln(self.fc(x)))
+        return torch.nn.functional.cross_entropy(h, targets)
+
+
+def test_conversions_of_one_class_past_dynamos_recompile_limit_still_capture_graphs():
+    """Each conversion has its own Dynamo cache: the 9th O2 conversion of a class keeps its loss fp32 as the 1st.
+
+    (With the class's shared forward, Dynamo's recompile limit of 8 per code object made every later
+    conversion run eagerly, graphless: O2's loss came back bf16-rounded, with no warning after the first.)
+    """
+    x, y = torch.randn(32, 16), torch.randint(0, 10, (32,))
+    limit = torch._dynamo.config.recompile_limit
+    losses, graphs = [], []
+    for _ in range(limit + 2):
+        torch.manual_seed(0)
+        gm = amp_fx.convert(_AssertingNet(), "O2")
+        losses.append(gm(x, y).item())
+        graphs.append(len(gm.amp_report.graphs))
+    assert len(losses) == limit + 2
+    assert all(count >= 1 for count in graphs), graphs
+    assert all(loss == losses[0] for loss in losses), losses
+    assert torch.tensor(losses[-1]).bfloat16().item() != losses[-1]  # fp32, not a bf16 value
+
+
+class _RemembersNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.last_norm = None
+
+    def forward(self, x):
+        h = self.a(x)
+        self.last_norm = h.norm()  # a tensor autograd recorded, kept on the module
+        return self.b(torch.nn.functional.gelu(h))
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_tensor_an_earlier_forward_left_on_the_model_does_not_stop_o2_o3(level):
+    """deepcopy refuses a non-leaf tensor: a model run once before conversion must still convert (and initialize)."""
+    model = _RemembersNorm()
+    model(torch.randn(2, 8))
+    assert model.last_norm.grad_fn is not None
+    x = torch.randn(2, 8)
+    gm = amp_fx.convert(model, level)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = model(x)
+    out = gm(x)
+    assert out.dtype == torch.float32
+    assert (out - reference.float()).abs().max().item() <= 0.05 * reference.float().abs().max().item() + 1e-2
+    model2, _ = amp_fx.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level)
+    assert model2(x).shape == (2, 4)

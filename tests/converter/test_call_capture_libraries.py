@@ -7,6 +7,7 @@ test_call_capture.py, gradients against fp32 (see _compare).
 """
 
 import copy
+import json
 
 import pytest
 import torch
@@ -119,3 +120,28 @@ def test_a_call_the_traced_graph_cannot_take_runs_captured():
         expected = net(sample, 4)
     assert _rel(out, expected) <= 0.05 and flops.low_share() == 1.0
     assert converted.dim == 16  # a plain attribute of the model, as before
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_save_pretrained_writes_fp32_and_leaves_the_models_config_alone(tmp_path, level):
+    """O2/O3 own bf16 parameters; save_pretrained still writes the model's dtypes, and from_pretrained loads fp32.
+
+    (Saved through the copy, transformers wrote "dtype": "bfloat16" into config.json and into the config
+    object the copy shares with the model: the reloaded model was bf16, the original's config changed.)
+    """
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    gm = amp_fx.convert(model, level)
+    gm(input_ids=torch.randint(0, 64, (2, 8)))
+    gm.save_pretrained(tmp_path)
+    # what the model's own save writes (transformers records its parameters' dtype), never the copy's bf16
+    assert str(model.config.dtype).replace("torch.", "") == "float32"
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float32"
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    saved = gm.state_dict()
+    params = dict(loaded.named_parameters())
+    assert len(params) > 5
+    for name, param in params.items():
+        assert param.dtype == torch.float32, name
+        assert torch.equal(param, saved[name]), name
