@@ -8,12 +8,10 @@ without; issue 42).
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
 import amp_fx
-from amp_fx.errors import AmpError
 
 
 class _DataDependent(nn.Module):
@@ -48,8 +46,10 @@ def test_a_failed_conversion_leaves_the_inputs_and_a_later_compile_as_they_were(
     torch.manual_seed(0)
     model, x = _DataDependent(), torch.randn(4, 8)
     alone = _compiled_graph_inputs(model, torch.randn(4, 8))
-    with pytest.raises(AmpError):
-        amp_fx.convert(model, "O1", dtype="bf16", example_inputs=(x,))
+    # Both whole-graph traces fail; the conversion captures from the call instead (converter/call_capture.py).
+    converted = amp_fx.convert(model, "O1", dtype="bf16", example_inputs=(x,))
+    assert converted.amp_report.route == "dynamo"
+    assert "torch.export" in converted.amp_report.trace_failure
     assert not [k for k in vars(x) if "dynamo" in k]  # torch.export's dimension marks are gone
     after = _compiled_graph_inputs(model, x)
     assert len(after) == len(alone) >= 1
