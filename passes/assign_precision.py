@@ -12,8 +12,11 @@ The algorithm, numbered as the DEBUG log lines are:
    everything low except normalisation (fp32 when ``keep_batchnorm_fp32``)
    and pure data movement, which follows.  At O2/O3 an op that reads a value
    the model itself widened (``x.float()``) follows it (rule ``model``):
-   Apex's O2 never undid the model's own casts.  GEMMs, norms and leaf
-   modules, which run beside their low parameters, stay low.
+   Apex's O2 never undid the model's own casts.  A tensor the model makes
+   in fp32 itself (a factory with ``dtype=torch.float32``, an fp32 trace
+   constant) stays fp32, and an op computing from such tensors alone follows
+   them (rule ``model``).  GEMMs, norms and leaf modules, which run beside
+   their low parameters, stay low.
 5. Banned ops raise (or run fp32 with ``allow_banned=True``); unknown ops
    follow, run fp32, or raise, as ``on_unknown_op`` says.  A custom op
    (``torch.library``, named ``"ns::name"``) that no table, policy or
@@ -46,6 +49,8 @@ from amp_fx.ir import meta, op_properties, tables
 from amp_fx.frontend.declared_precision import declared_precision, policy_target
 from amp_fx.errors import AmpWarning, BannedOpError, UnknownOpError
 from amp_fx.ir.cast_nodes import written_cast_dtype
+from amp_fx.ir.dtype_constants import is_trace_constant
+from amp_fx.ir.dtype_rules import explicit_dtype
 from amp_fx.ir.op_keys import CAST_OPS, custom_overload, is_custom_op
 from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
 
@@ -223,6 +228,36 @@ def _asserted_full_precision(node: fx.Node) -> bool:
                for u in node.users)
 
 
+# Factories, and the copies of another tensor's shape that take a dtype= (torch.zeros_like(x, dtype=torch.float32)).
+_MAKERS = tables.FACTORIES | {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
+                              "new_full"}
+
+
+def _made_full_precision(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """A tensor the model makes in float32/float64 itself: a factory called with that ``dtype=``
+    (``torch.arange(n, dtype=torch.float32)``), or an fp32 constant the trace froze from forward (symbolic tracing
+    evaluates a factory and what computes from it alone: ``exp(arange(...))`` becomes ``_tensor_constant0``)."""
+    if node.op == "get_attr":
+        if not is_trace_constant(str(node.target)):
+            return False
+        value = _constant(gm, str(node.target))
+        return isinstance(value, torch.Tensor) and value.dtype in (torch.float32, torch.float64)
+    return meta.OP.get(node) in _MAKERS and explicit_dtype(node) in (torch.float32, torch.float64)
+
+
+def _constant(gm: fx.GraphModule, target: str) -> object:
+    owner: object = gm
+    for atom in target.split("."):
+        owner = getattr(owner, atom, None)
+    return owner
+
+
+def _read_in_full_precision(node: fx.Node, full: set) -> bool:
+    """Some reader of ``node`` computes in full precision from it (through data movement that follows it)."""
+    return any(u in full and (meta.OP.get(u) not in tables.DATA_MOVEMENT or _read_in_full_precision(u, full))
+               for u in node.users)
+
+
 def _moves_only(node: fx.Node) -> bool:
     """Data movement, or a ``.to(device)`` that changes no dtype."""
     op = meta.OP.get(node)
@@ -235,19 +270,30 @@ def _read_only_widened(node: fx.Node) -> bool:
     return bool(users) and all(_widening_model_cast(u) or (_moves_only(u) and _read_only_widened(u)) for u in users)
 
 
-def _respect_model_casts(node: fx.Node, decision: str, reason: str, rule: str, wide: set, ctx: PassContext) -> tuple[str, str, str]:
+def _respect_model_casts(node: fx.Node, decision: str, reason: str, rule: str, wide: set, made: set,
+                         gm: fx.GraphModule, ctx: PassContext) -> tuple[str, str, str]:
     """O2/O3: an op reading a value the model itself widened to fp32 follows it instead of being cast back down.
 
     The whole-graph "low" of O2/O3 stands for Apex's ``model.half()``: the
     model's own ``x.float()`` still computes in fp32 there (rotary frequencies,
     loss heads).  GEMMs and convolutions still run low, as under autocast.
     Weights the model reads only through such casts stay fp32 (``keep_fp32``).
+
+    A tensor the model makes in fp32 itself (``torch.arange(n, dtype=torch.float32)``, a trace constant
+    computed from one) stays fp32, and so do the ops computing from such tensors alone (``exp``, a product
+    with a Python number): the frequencies of a sinusoidal timestep embedding.  An op that also reads a
+    low value runs low as before, the fp32 tensor cast down where it is read.
     """
     if ctx.config.op_mode != "all_low":
         return decision, reason, rule
     if node.op == "get_attr" and (_read_only_widened(node) or _asserted_full_precision(node)):
         meta.KEEP_FP32.set(node, True)
         wide.add(node)
+    if _made_full_precision(node, gm):
+        made.add(node)  # a trace constant stays fp32 where a reader computes from it in fp32 (assign_precision's end)
+        if node.op != "get_attr" and rule == "level" and decision == "low":
+            return "follow", f"{ctx.config.level}: the model makes this tensor in {_dtype_name(node)}", "model"
+        return decision, reason, rule
     if _widening_model_cast(node):
         wide.add(node)
         return decision, reason, rule
@@ -270,7 +316,20 @@ def _respect_model_casts(node: fx.Node, decision: str, reason: str, rule: str, w
         decision, reason, rule = "follow", f"{ctx.config.level}: follows the model's own cast to full precision", "model"
     if reads_wide and decision == "follow":
         wide.add(node)
+    if reads_wide or reads_asserted:
+        return decision, reason, rule
+    # Reads only tensors the model made in fp32 (no low value, no value of unknown dtype): keeps their fp32.
+    floats = [n for n in node.all_input_nodes if meta.is_float(n) is not False or n in made]
+    if floats and all(n in made for n in floats):
+        if rule == "level" and decision == "low" and not with_params:
+            decision, reason, rule = "follow", f"{ctx.config.level}: computes from tensors the model makes in full precision", "model"
+        if decision == "follow":
+            made.add(node)
     return decision, reason, rule
+
+
+def _dtype_name(node: fx.Node) -> str:
+    return str(explicit_dtype(node)).replace("torch.", "")
 
 
 @amp_pass(kind="analysis", requires=("meta",), ensures=("paint",), invalidates=("dtypes",))
@@ -279,9 +338,10 @@ def assign_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     counts: dict[str, int] = {}
     unknown: dict[str, int] = {}
     wide: set[fx.Node] = set()  # values the model widened itself, and what follows them
+    made: set[fx.Node] = set()  # tensors the model makes in full precision, and what computes from them alone
     undecided: dict[str, tuple[fx.Node, list[str]]] = {}  # custom op -> (its first node, the parameters they read)
     for node in gm.graph.nodes:
-        decision, reason, rule = _equalise_inputs(node, *_respect_model_casts(node, *_decide(node, ctx), wide, ctx))
+        decision, reason, rule = _equalise_inputs(node, *_respect_model_casts(node, *_decide(node, ctx), wide, made, gm, ctx))
         if meta.INPLACE.get(node) and decision == "low":
             decision, reason = "follow", "in-place op: runs in its input's dtype (autocast does not cast in-place ops)"
         elif meta.INPLACE.get(node) and decision == "fp32":
@@ -299,6 +359,9 @@ def assign_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 first, seen = undecided.get(meta.OP.get(node), (node, []))
                 undecided[meta.OP.get(node)] = (first, sorted(set(seen) | set(weights)))
         logger.debug("step %s: %s -> %s (%s)", "3" if rule == "policy" else "4", node.name, decision, reason)
+    for node in made:  # a trace constant some op computes from in full precision stays fp32 (cast_params)
+        if node.op == "get_attr" and _read_in_full_precision(node, made | wide):
+            meta.KEEP_FP32.set(node, True)
     stats = {"decisions": counts, "unknown_ops": unknown}
     if undecided:
         stats["undecided_custom_ops"] = sorted(undecided)

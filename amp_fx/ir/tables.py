@@ -25,6 +25,7 @@ __all__ = [
     "FOLLOW",
     "BANNED",
     "NORM_OPS",
+    "FACTORIES",
     "DATA_MOVEMENT",
     "LOSSES",
     "EXPORT_CHECKS",
@@ -201,6 +202,11 @@ LOSSES: frozenset[str] = frozenset(op for op, reason in FP32.items() if reason.s
 EXPORT_CHECKS: frozenset[str] = frozenset({"_assert_tensor_metadata", "_assert_scalar", "_guards_fn",
                                            "sym_constrain_range_for_size"})
 
+# Ops that make a new tensor (from sizes, values, or another tensor's shape): they make the dtype they are asked for.
+_FACTORY_NAMES = ("arange", "zeros", "ones", "full", "empty", "randn", "rand", "randint", "randn_like", "rand_like",
+                  "linspace", "scalar_tensor", "tensor")
+FACTORIES: frozenset[str] = frozenset(_FACTORY_NAMES)
+
 # --------------------------------------------------------------------------
 # FOLLOW: known to be safe in whatever dtype arrives.  Ops in no table follow
 # too, but are counted as unknown in the report (on_unknown_op= changes that).
@@ -229,11 +235,7 @@ _FOLLOW_ROWS: dict[str, str] = {
         "max_pool2d_with_indices",
     ),
     # Factories make what their dtype= (or the default dtype) says.
-    **_group(
-        "factory: makes the dtype it is asked for",
-        "arange", "zeros", "ones", "full", "empty", "randn", "rand", "randint", "randn_like", "rand_like",
-        "linspace", "scalar_tensor", "tensor",
-    ),
+    **_group("factory: makes the dtype it is asked for", *_FACTORY_NAMES),
     # Checks torch.export records: they compute nothing; insert_casts keeps them true to the rewrite.
     **_group("torch.export check: computes nothing, kept true to the rewritten dtypes", *sorted(EXPORT_CHECKS)),
     # Regularisers and small reductions that autocast leaves alone.

@@ -4,6 +4,7 @@ An analysis: ``check`` asserts no code changes, every node carries a
 decision, reason and rule, and a second run paints the same.
 """
 
+import math
 import re
 
 import pytest
@@ -137,3 +138,48 @@ def test_O3_runs_losses_low_unless_asked_and_O1_keeps_them_fp32_from_its_tables(
     assert _loss_rows(amp_fx.convert(model, "O3", dtype=torch.bfloat16)) == {"cross_entropy": "low"}
     assert _loss_rows(amp_fx.convert(model, "O3", dtype=torch.bfloat16, keep_losses_fp32=True)) == {"cross_entropy": "fp32"}
     assert _loss_rows(amp_fx.convert(model, "O1", dtype=torch.bfloat16)) == {"cross_entropy": "fp32"}
+
+
+# -- O2/O3 keep the tensors the model makes in fp32 itself, as they keep its x.float() -----------------
+class _TimestepEmbedding(nn.Module):
+    """The sinusoidal timestep embedding of DDPM/diffusers: fp32 frequencies from an ``arange(dtype=float32)``."""
+
+    def __init__(self, check_shape=False):
+        super().__init__()
+        self.check_shape = check_shape
+
+    def forward(self, t):
+        if self.check_shape:
+            assert t.dim() == 1  # no whole graph: convert() captures the call with Dynamo
+        half = 16
+        freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        angles = t.float()[:, None] * freqs[None]
+        return torch.cat([angles.sin(), angles.cos()], -1)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+@pytest.mark.parametrize("route", ["symbolic_trace", "dynamo"])
+def test_O2_O3_keep_a_factory_the_model_asks_fp32_of_and_what_computes_from_it(level, route):
+    model = _TimestepEmbedding(check_shape=route == "dynamo")
+    t = torch.tensor([10, 500, 999])
+    converted = amp_fx.convert(model, level, dtype=torch.bfloat16)
+    out, exact = converted(t), model(t)
+    assert converted.amp_report.route == route
+    # bf16 frequencies (a step of 2^-8 relative) put sin/cos of t=999 several percent off; fp32 ones are exact
+    # up to fp32 rounding of t * freq (about 1e-4 radians).
+    assert ((out[-1] - exact[-1]).norm() / exact[-1].norm()).item() < 5e-3
+
+
+class _FactoryBesideAnActivation(nn.Module):
+    def forward(self, x):
+        scale = torch.exp(torch.ones(x.shape[-1], dtype=torch.float32) * 0.5)
+        return torch.relu(x) + scale
+
+
+def test_O2_runs_low_an_op_that_reads_a_low_value_beside_an_fp32_factory():
+    converted = amp_fx.convert(_FactoryBesideAnActivation(), "O2", dtype=torch.bfloat16)
+    rows = {r.op: (r.decision, r.reason) for r in converted.amp_report.nodes}
+    assert rows["ones"] == ("follow", "O2: the model makes this tensor in float32")
+    assert rows["exp"] == ("follow", "O2: computes from tensors the model makes in full precision")
+    assert rows["add"] == ("low", "O2: whole graph in low precision")  # only what computes from it alone keeps fp32
+    assert _paint(amp_fx.convert(_FactoryBesideAnActivation(), "O1"), "exp")[0] == "fp32"  # O1: autocast's table
