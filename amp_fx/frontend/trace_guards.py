@@ -38,7 +38,7 @@ from amp_fx.errors import UnsupportedConstructError
 from amp_fx.frontend.source_lines import current_user_line, is_user_file
 from amp_fx.ir import meta
 
-__all__ = ["refuse_state_changes", "watch_context_managers", "NOTES_KEY", "HARMLESS_CONTEXT_MANAGERS"]
+__all__ = ["refuse_state_changes", "watch_context_managers", "take_trace_notes", "NOTES_KEY", "HARMLESS_CONTEXT_MANAGERS"]
 
 NOTES_KEY = meta.TRACE_NOTES  # the output node's notes for the report
 _ACTIVE = threading.local()
@@ -203,3 +203,13 @@ def watch_context_managers(tracer: fx.Tracer) -> Iterator[None]:
         for cls, enter in class_enters.items():
             cls.__enter__ = enter
         _ACTIVE.context_tracer = previous
+
+
+def take_trace_notes(gm: fx.GraphModule) -> list[str]:
+    """Remove and return the notes the trace left on the output node for the report (what it fixed or let through).
+
+    Taken by the last pass (``passes/outline_checkpoints.py``), which also
+    outlines the checkpointed regions, after the report has been read.
+    """
+    output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    return list(output.meta.pop(NOTES_KEY, [])) if output is not None else []

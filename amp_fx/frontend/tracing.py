@@ -31,7 +31,11 @@ from amp_fx.graph_ops import hook_dispatch
 from amp_fx.graph_ops.casts import HELPERS
 from amp_fx.errors import AmpError, AmpTypeError, AmpWarning, UnsupportedConstructError
 from amp_fx.frontend.export_guards import watched_export
+from amp_fx.frontend.checkpoint_regions import record_checkpoints
+from amp_fx.frontend.dtype_reads import record_dtype_reads
+from amp_fx.frontend.opaque_calls import record_function_calls
 from amp_fx.frontend.source_lines import innermost_user_frame, is_library_file
+from amp_fx.frontend.trace_guards import refuse_state_changes, watch_context_managers
 from amp_fx.frontend.traced_defaults import describe_defaults, traced_at_default
 from amp_fx.frontend.train_flags import FROZEN_ATTR, TrainingReads
 
@@ -96,11 +100,27 @@ class AmpTracer(fx.Tracer):
             self._training_reads.restore(graph)
         return graph
 
-    def _front_end_hooks(self) -> Any:
-        """Keep custom autograd Functions and checkpoint calls; refuse state changes and unknown contexts (amp_fx/frontend/trace_hooks.py)."""
-        from amp_fx.frontend.trace_hooks import front_end_hooks
+    @contextlib.contextmanager
+    def _front_end_hooks(self) -> Iterator[None]:
+        """Install, for this one trace, every interception of the symbolic front end.
 
-        return front_end_hooks(self)
+        Symbolic tracing runs ``forward`` once with proxies and keeps the tensor
+        ops it sees.  Constructs with a meaning of their own are kept (custom
+        autograd Functions stay one node, amp_fx/frontend/opaque_calls.py;
+        checkpoint calls stay checkpointed, amp_fx/frontend/checkpoint_regions.py;
+        ``torch.finfo`` of a traced dtype is read at run time,
+        amp_fx/frontend/dtype_reads.py) or refused with an error naming the
+        construct, its line and the route that works (Python state changed
+        during forward, context managers amp_fx does not know:
+        amp_fx/frontend/trace_guards.py).
+        """
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(record_function_calls(self))
+            stack.enter_context(record_checkpoints(self))
+            stack.enter_context(refuse_state_changes(self))
+            stack.enter_context(watch_context_managers(self))
+            stack.enter_context(record_dtype_reads(self))
+            yield
 
     def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> Any:
         """Make the placeholders, then the runtime reads of ``self.training`` (amp_fx/frontend/train_flags.py)."""
