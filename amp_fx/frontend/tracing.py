@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from amp_fx.frontend import module_hooks, regions, regions_export
+from amp_fx.frontend import module_hooks, regions
 from amp_fx.graph_ops import hook_dispatch
 from amp_fx.graph_ops.casts import HELPERS
 from amp_fx.errors import AmpError, AmpTypeError, AmpWarning, UnsupportedConstructError
@@ -310,10 +310,10 @@ def _export_trace(model: nn.Module, args: tuple, kwargs: dict, module_class: typ
     # constants bound, caches off, batch/sequence dynamic; Hugging Face interface kept (amp_fx/frontend/export_route.py, amp_fx/frontend/hf.py)
     from amp_fx.frontend import export_route, hf
 
-    with regions_export.exporting() as notes:  # inference_mode kept as no_grad; regions export drops are noted
+    with regions.exporting() as notes:  # inference_mode kept as no_grad; regions export drops are noted
         unlifted, constants, export_notes = export_route.export_module(model, args, kwargs, dynamic_shapes)
-    regions_export.inline_region_hops(unlifted)  # grad-mode / autocast bodies inline, between markers
-    setattr(unlifted.graph, regions_export.NOTES_ATTR, list(dict.fromkeys(notes)))
+    regions.inline_region_hops(unlifted)  # grad-mode / autocast bodies inline, between markers
+    setattr(unlifted.graph, regions.NOTES_ATTR, list(dict.fromkeys(notes)))
     # torch.export specialises every train/eval branch: the converted module warns when .train()/.eval() differ
     setattr(unlifted.graph, FROZEN_ATTR, {path: (m.training, "traced with torch.export") for path, m in model.named_modules()})
     gm = unlifted if module_class is fx.GraphModule else module_class(unlifted, unlifted.graph, type(model).__name__)
