@@ -30,12 +30,11 @@ from amp_fx.frontend import module_hooks, regions
 from amp_fx.graph_ops import hook_dispatch
 from amp_fx.graph_ops.casts import HELPERS
 from amp_fx.errors import AmpError, AmpTypeError, AmpWarning, UnsupportedConstructError
-from amp_fx.frontend.export_guards import watched_export
 from amp_fx.frontend.checkpoint_regions import record_checkpoints
 from amp_fx.frontend.dtype_reads import record_dtype_reads
 from amp_fx.frontend.opaque_calls import record_function_calls
 from amp_fx.frontend.source_lines import innermost_user_frame, is_library_file
-from amp_fx.frontend.trace_guards import refuse_state_changes, watch_context_managers
+from amp_fx.frontend.trace_guards import refuse_state_changes, watch_context_managers, watched_export
 from amp_fx.frontend.traced_defaults import describe_defaults, traced_at_default
 from amp_fx.frontend.train_flags import FROZEN_ATTR, TrainingReads
 
@@ -438,7 +437,7 @@ def trace_model(
         _refuse_hooks_on_export(originals, failure, failed_in)
         try:
             args, kwargs = tuple(example_inputs or ()), dict(example_kwarg_inputs or {})
-            # refuse what torch.export would drop silently (amp_fx/frontend/export_guards.py)
+            # refuse what torch.export would drop silently (amp_fx/frontend/trace_guards.py)
             exported = watched_export(model, lambda: _export_trace(model, args, kwargs, module_class, dynamic_shapes))
             setattr(exported, FX_FAILED_IN_ATTR, failed_in)  # where a hook's refusal says a leaf helps (core/live_hooks.py)
             return exported, "torch.export"
