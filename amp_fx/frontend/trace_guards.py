@@ -28,7 +28,7 @@ is lost).  :func:`watch_export` runs the same two watches while it traces
 and refuses checkpoint calls, naming the line and the route that keeps them.
 Custom ``torch.autograd.Function`` calls, which export would trace through
 (dropping their backward), are kept whole instead
-(:mod:`amp_fx.frontend.export_functions`, used by the export call itself).
+(:mod:`amp_fx.frontend.opaque_calls`, used by the export call itself).
 
 The notes the watches leave for the report sit on the graph's output node
 (``NOTES_KEY``) until :func:`take_trace_notes` takes them.
