@@ -31,9 +31,8 @@ of weights, masters, statistics and hook sites for all graphs; a batch
 norm's running statistics updated by the train graph are read by the eval
 graph); the constants torch.export made for it are added under names of
 their own.  Each graph keeps its report (``amp_report`` is the report of
-the graph in use).  Switching back is a recompile of the kept graph
-(milliseconds); a build costs one conversion (about a second for a tiny
-GPT-2, once per key).
+the graph in use).  Switching back recompiles the kept graph and traces
+nothing; a build costs one conversion, once per key.
 
 On the symbolic route the graph reads ``self.training`` at run time (the
 flags are no part of the key), and the key is which of forward's optional
