@@ -359,7 +359,7 @@ def _refuse_hooks_on_export(model: nn.Module, failure: str, failed_in: str) -> N
                 name = f"module {path!r}" if path else "the model itself"
                 kind = attr.strip("_").replace("_", " ")[:-1]
                 raise UnsupportedConstructError(
-                    f"{name} ({type(module).__name__}) has a {kind} ({hook_dispatch._name(hooks[0][1])}), and amp_fx "
+                    f"{name} ({type(module).__name__}) has a {kind} ({hook_dispatch.hook_name(hooks[0][1])}), and amp_fx "
                     f"would have to trace {type(model).__name__} with torch.export: fx could not ({failure.splitlines()[0]}). "
                     "torch.export runs hooks once while it traces and keeps their effect in the graph (an observing "
                     f"hook would never fire again, a backward hook never). Routes that keep hooks: "
