@@ -40,8 +40,7 @@ import torch.fx as fx
 
 from amp_fx.ir import meta, tables
 from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
-from amp_fx.frontend.regions_export import NOTES_ATTR
-from amp_fx.frontend.regions import Region, autocast_rule, marker_role, region_stacks, separate_grad_reads
+from amp_fx.frontend.regions import NOTES_ATTR, Region, autocast_rule, marker_role, region_stacks, separate_grad_reads
 from amp_fx.frontend.train_flags import FROZEN_ATTR
 
 __all__ = ["honour_autocast_regions", "is_autocast_enter", "is_autocast_exit"]

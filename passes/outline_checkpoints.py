@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from amp_fx.frontend.checkpoint_regions import keep_checkpoints
-from amp_fx.frontend.trace_hooks import take_trace_notes
+from amp_fx.frontend.trace_guards import take_trace_notes
 from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
 
 __all__ = ["outline_checkpoints"]

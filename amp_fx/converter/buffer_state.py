@@ -47,7 +47,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
-from amp_fx.frontend.legacy_weight_norm import refuse_legacy_weight_norm
+from amp_fx.converter.weight_computations import refuse_legacy_weight_norm
 from amp_fx.frontend.train_flags import FROZEN_ATTR
 
 __all__ = ["copy_sharing_buffers", "attach_buffer_sources", "write_back_buffers", "source_value", "load_buffer_sources",

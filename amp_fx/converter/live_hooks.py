@@ -197,7 +197,7 @@ def _refusal(found: list, why: str, exported: bool = False, failed_in: Optional[
             "included), convert the model again after registering it, or use torch.compile(model, backend='amp_fx'), "
             "which keeps hooks")
     return AmpRuntimeError(
-        f"amp_fx: a {_kind(attr)} ({hook_dispatch._name(hook)}) is registered on {whose} {name}, which the converted "
+        f"amp_fx: a {_kind(attr)} ({hook_dispatch.hook_name(hook)}) is registered on {whose} {name}, which the converted "
         f"graph inlines without a hook boundary, so it would never fire; the graph cannot be rebuilt with one: {why}. "
         f"Ways out: {ways}.")
 

@@ -1,4 +1,4 @@
-"""Weight computations traced in at conversion (pruning, weight_norm, spectral_norm, parametrizations): refuse a stale one.
+"""Weights computed by hooks or parametrizations: refuse a stale computation, and legacy weight_norm where the model is copied.
 
 These compute a module's weight from other tensors at each call: a forward
 pre-hook (``torch.nn.utils.prune``, ``weight_norm``, ``spectral_norm``) or a
@@ -19,6 +19,19 @@ buffers, its parametrization modules); :func:`changed` compares them by
 identity.  ``live_hooks`` checks the modules that had a computation at every
 call (a removal registers no hook, so nothing else would tell), and every
 module whenever a hook was registered anywhere (a new pruning registers one).
+
+Legacy ``torch.nn.utils.weight_norm`` keeps ``weight`` as a plain tensor
+attribute that its forward pre-hook recomputes from ``weight_g`` and
+``weight_v`` on every call: after a forward it is a non-leaf tensor, which
+``copy.deepcopy`` refuses (torch's own error), and a copy made before one
+would hold a stale ``weight`` whose gradient reaches neither ``weight_g`` nor
+``weight_v`` in low precision.  O1 converts it as it is (the graph computes
+``_weight_norm(v, g)`` from the parameters each forward and casts the
+result), so only the levels that copy the model's parameters to hold their
+low copies refuse it (:func:`refuse_legacy_weight_norm`).
+``torch.nn.utils.parametrizations.weight_norm`` keeps ``original0`` /
+``original1`` as parameters and ``weight`` as a computed property, which
+O2's masters and low copies handle like any other parameters.
 """
 
 from __future__ import annotations
@@ -26,11 +39,13 @@ from __future__ import annotations
 from typing import Any, Iterator, Optional
 
 import torch.nn as nn
+from torch.nn.utils.weight_norm import WeightNorm
 
-from amp_fx.errors import AmpRuntimeError
+from amp_fx.errors import AmpRuntimeError, UnsupportedConstructError
 from amp_fx.graph_ops.hook_dispatch import COMPUTATION_HOOKS
 
-__all__ = ["Signature", "signature", "signatures", "changed", "refuse_changed", "stale_computation"]
+__all__ = ["Signature", "signature", "signatures", "changed", "refuse_changed", "stale_computation", "legacy_weight_norms",
+           "refuse_legacy_weight_norm"]
 
 # (kind, name, object) triples, compared by name and object identity
 Signature = tuple
@@ -155,3 +170,28 @@ def refuse_changed(recorded: dict[str, Signature], model_modules: list[tuple[str
             raise AmpRuntimeError(
                 f"amp_fx: module {path!r}, whose weight computation the converted graph traced in, is no longer in "
                 "the model. Convert the model again: gm = amp_fx.convert(model, ...).")
+
+
+# -- legacy weight_norm, where the model is copied -------------------------------------------
+def legacy_weight_norms(model: nn.Module) -> list[str]:
+    """``"path.weight"`` for every weight that legacy ``torch.nn.utils.weight_norm`` computes in ``model``."""
+    found = []
+    for path, module in model.named_modules():
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, WeightNorm):
+                found.append(f"{path}.{hook.name}" if path else hook.name)
+    return found
+
+
+def refuse_legacy_weight_norm(model: nn.Module, level: str = "O2/O3") -> None:
+    """Raise :class:`~amp_fx.errors.UnsupportedConstructError` when ``model`` uses legacy weight norm."""
+    found = legacy_weight_norms(model)
+    if not found:
+        return
+    raise UnsupportedConstructError(
+        f"{', '.join(found)} {'is' if len(found) == 1 else 'are'} computed by legacy torch.nn.utils.weight_norm, "
+        f"which {level} cannot convert: it copies the model's parameters to hold their low-precision copies, and the "
+        "legacy form's weight is a tensor its forward pre-hook recomputes (not a parameter; copy.deepcopy refuses it "
+        "after a forward). Apply torch.nn.utils.parametrizations.weight_norm instead (the same weight, its g and v "
+        "are parametrizations.weight.original0 / original1), or convert at O1, which keeps the legacy form.",
+        construct="legacy torch.nn.utils.weight_norm", where=found[0])

@@ -26,7 +26,7 @@ at conversion (:mod:`amp_fx.frontend.export_shapes`).
 
 Custom ``torch.autograd.Function`` calls stay one node each, forward and
 backward the Function's, as on the symbolic route
-(:mod:`amp_fx.frontend.export_functions`).
+(:mod:`amp_fx.frontend.opaque_calls`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch.nn as nn
 from torch.export import Dim
 
 from amp_fx.frontend import export_shapes
-from amp_fx.frontend.export_functions import keeping_function_calls
+from amp_fx.frontend.opaque_calls import keeping_function_calls
 from amp_fx.errors import AmpWarning
 
 __all__ = ["split_constants", "default_dynamic_shapes", "export_module", "shape_notes", "StaticShapeWarning"]
@@ -196,7 +196,7 @@ def export_module(model: nn.Module, args: tuple, kwargs: Mapping[str, Any],
         if isinstance(shapes, Mapping) and not args:
             shapes = {k: v for k, v in shapes.items() if k in tensors}
     try:
-        # custom autograd Functions stay one node each, forward and backward theirs (amp_fx/frontend/export_functions.py)
+        # custom autograd Functions stay one node each, forward and backward theirs (amp_fx/frontend/opaque_calls.py)
         with keeping_function_calls() as function_calls, _keeping_dynamo_marks([*args, *tensors.values()]):
             exported = torch.export.export(bound, tuple(args), tensors, dynamic_shapes=shapes, strict=False)
     except Exception as error:  # a dynamic_shapes= the model contradicts is refused naming the dimensions

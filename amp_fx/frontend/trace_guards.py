@@ -1,4 +1,4 @@
-"""Refuse, while tracing, what a symbolic trace would silently freeze or drop.
+"""Refuse, while tracing, what a symbolic trace or torch.export would silently freeze or drop.
 
 Symbolic tracing runs ``forward`` once.  Two kinds of construct change
 meaning in the traced graph without any error from fx:
@@ -20,6 +20,18 @@ kept (see the tracer's region hooks).  Not detectable this way: state kept in
 containers (``self.cache.append(h)``, ``self.stats["n"] += 1``), writes
 through ``object.__setattr__`` or ``__dict__``, class-based context managers
 defined outside PyTorch, and ``with torch.device(...)``.
+
+``torch.export`` (non-strict) also runs ``forward`` once, on fake tensors,
+and keeps ATen ops: it freezes the same Python state, keeps no context
+manager, and inlines ``torch.utils.checkpoint`` (the activation-memory saving
+is lost).  :func:`watch_export` runs the same two watches while it traces
+and refuses checkpoint calls, naming the line and the route that keeps them.
+Custom ``torch.autograd.Function`` calls, which export would trace through
+(dropping their backward), are kept whole instead
+(:mod:`amp_fx.frontend.opaque_calls`, used by the export call itself).
+
+The notes the watches leave for the report sit on the graph's output node
+(``NOTES_KEY``) until :func:`take_trace_notes` takes them.
 """
 
 from __future__ import annotations
@@ -33,12 +45,14 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils.checkpoint as torch_checkpoint
 
 from amp_fx.errors import UnsupportedConstructError
 from amp_fx.frontend.source_lines import current_user_line, is_user_file
 from amp_fx.ir import meta
 
-__all__ = ["refuse_state_changes", "watch_context_managers", "NOTES_KEY", "HARMLESS_CONTEXT_MANAGERS"]
+__all__ = ["refuse_state_changes", "watch_context_managers", "watch_export", "watched_export", "take_trace_notes", "NOTES_KEY",
+           "HARMLESS_CONTEXT_MANAGERS"]
 
 NOTES_KEY = meta.TRACE_NOTES  # the output node's notes for the report
 _ACTIVE = threading.local()
@@ -203,3 +217,77 @@ def watch_context_managers(tracer: fx.Tracer) -> Iterator[None]:
         for cls, enter in class_enters.items():
             cls.__enter__ = enter
         _ACTIVE.context_tracer = previous
+
+
+# -- the torch.export route ---------------------------------------------------------------
+_EXPORT_ROUTES = (
+    "Routes that keep it: torch.compile(model, backend='amp_fx'); or make the model symbolically traceable "
+    "(amp_fx.convert keeps checkpointed regions on that route)."
+)
+
+
+class _ExportScope:
+    """Stands in for a tracer in the shared watches: the model being exported, and the notes they leave."""
+
+    graph = None
+
+    def __init__(self, model: nn.Module):
+        self.root = model
+        self.amp_fx_notes: list[str] = []
+
+
+def _refuse_on_export(construct: str, what: str) -> None:
+    where = current_user_line() or "unknown source line"
+    raise UnsupportedConstructError(
+        f"{what}\n  at {where}\nThis model is traced with torch.export (symbolic tracing failed), which {construct}. "
+        f"amp_fx refused instead of changing what the model computes.\n{_EXPORT_ROUTES}",
+        construct=construct, where=where,
+    )
+
+
+@contextlib.contextmanager
+def _refuse_checkpoints() -> Iterator[None]:
+    original_checkpoint = getattr(torch_checkpoint.checkpoint, "__wrapped__", torch_checkpoint.checkpoint)
+    missing = object()
+    previous = original_checkpoint.__dict__.get("__dynamo_disable", missing)
+
+    def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+        _refuse_on_export("inlines checkpointed regions, losing their activation-memory saving",
+                "the model calls torch.utils.checkpoint.checkpoint")
+
+    original_checkpoint.__dynamo_disable = checkpoint
+    try:
+        yield
+    finally:
+        if previous is missing:
+            del original_checkpoint.__dynamo_disable
+        else:
+            original_checkpoint.__dynamo_disable = previous
+
+
+@contextlib.contextmanager
+def watch_export(model: nn.Module) -> Iterator[list[str]]:
+    """While ``torch.export`` traces ``model``: refuse what it would drop; yield the list of notes it leaves."""
+    scope = _ExportScope(model)
+    with _refuse_checkpoints(), refuse_state_changes(scope), watch_context_managers(scope):
+        yield scope.amp_fx_notes
+
+
+def watched_export(model: nn.Module, export: Any) -> Any:
+    """Run ``export()`` (which traces ``model`` with torch.export) under :func:`watch_export`; its notes go to the report."""
+    with watch_export(model) as notes:
+        gm = export()
+    output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    if notes and output is not None:
+        output.meta.setdefault(NOTES_KEY, []).extend(notes)
+    return gm
+
+
+def take_trace_notes(gm: fx.GraphModule) -> list[str]:
+    """Remove and return the notes the trace left on the output node for the report (what it fixed or let through).
+
+    Taken by the last pass (``passes/outline_checkpoints.py``), which also
+    outlines the checkpointed regions, after the report has been read.
+    """
+    output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    return list(output.meta.pop(NOTES_KEY, [])) if output is not None else []

@@ -26,12 +26,15 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from amp_fx.frontend import module_hooks, regions, regions_export
+from amp_fx.frontend import module_hooks, regions
 from amp_fx.graph_ops import hook_dispatch
 from amp_fx.graph_ops.casts import HELPERS
 from amp_fx.errors import AmpError, AmpTypeError, AmpWarning, UnsupportedConstructError
-from amp_fx.frontend.export_guards import watched_export
+from amp_fx.frontend.checkpoint_regions import record_checkpoints
+from amp_fx.frontend.dtype_reads import record_dtype_reads
+from amp_fx.frontend.opaque_calls import record_function_calls
 from amp_fx.frontend.source_lines import innermost_user_frame, is_library_file
+from amp_fx.frontend.trace_guards import refuse_state_changes, watch_context_managers, watched_export
 from amp_fx.frontend.traced_defaults import describe_defaults, traced_at_default
 from amp_fx.frontend.train_flags import FROZEN_ATTR, TrainingReads
 
@@ -96,11 +99,27 @@ class AmpTracer(fx.Tracer):
             self._training_reads.restore(graph)
         return graph
 
-    def _front_end_hooks(self) -> Any:
-        """Keep custom autograd Functions and checkpoint calls; refuse state changes and unknown contexts (amp_fx/frontend/trace_hooks.py)."""
-        from amp_fx.frontend.trace_hooks import front_end_hooks
+    @contextlib.contextmanager
+    def _front_end_hooks(self) -> Iterator[None]:
+        """Install, for this one trace, every interception of the symbolic front end.
 
-        return front_end_hooks(self)
+        Symbolic tracing runs ``forward`` once with proxies and keeps the tensor
+        ops it sees.  Constructs with a meaning of their own are kept (custom
+        autograd Functions stay one node, amp_fx/frontend/opaque_calls.py;
+        checkpoint calls stay checkpointed, amp_fx/frontend/checkpoint_regions.py;
+        ``torch.finfo`` of a traced dtype is read at run time,
+        amp_fx/frontend/dtype_reads.py) or refused with an error naming the
+        construct, its line and the route that works (Python state changed
+        during forward, context managers amp_fx does not know:
+        amp_fx/frontend/trace_guards.py).
+        """
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(record_function_calls(self))
+            stack.enter_context(record_checkpoints(self))
+            stack.enter_context(refuse_state_changes(self))
+            stack.enter_context(watch_context_managers(self))
+            stack.enter_context(record_dtype_reads(self))
+            yield
 
     def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> Any:
         """Make the placeholders, then the runtime reads of ``self.training`` (amp_fx/frontend/train_flags.py)."""
@@ -290,10 +309,10 @@ def _export_trace(model: nn.Module, args: tuple, kwargs: dict, module_class: typ
     # constants bound, caches off, batch/sequence dynamic; Hugging Face interface kept (amp_fx/frontend/export_route.py, amp_fx/frontend/hf.py)
     from amp_fx.frontend import export_route, hf
 
-    with regions_export.exporting() as notes:  # inference_mode kept as no_grad; regions export drops are noted
+    with regions.exporting() as notes:  # inference_mode kept as no_grad; regions export drops are noted
         unlifted, constants, export_notes = export_route.export_module(model, args, kwargs, dynamic_shapes)
-    regions_export.inline_region_hops(unlifted)  # grad-mode / autocast bodies inline, between markers
-    setattr(unlifted.graph, regions_export.NOTES_ATTR, list(dict.fromkeys(notes)))
+    regions.inline_region_hops(unlifted)  # grad-mode / autocast bodies inline, between markers
+    setattr(unlifted.graph, regions.NOTES_ATTR, list(dict.fromkeys(notes)))
     # torch.export specialises every train/eval branch: the converted module warns when .train()/.eval() differ
     setattr(unlifted.graph, FROZEN_ATTR, {path: (m.training, "traced with torch.export") for path, m in model.named_modules()})
     gm = unlifted if module_class is fx.GraphModule else module_class(unlifted, unlifted.graph, type(model).__name__)
@@ -340,7 +359,7 @@ def _refuse_hooks_on_export(model: nn.Module, failure: str, failed_in: str) -> N
                 name = f"module {path!r}" if path else "the model itself"
                 kind = attr.strip("_").replace("_", " ")[:-1]
                 raise UnsupportedConstructError(
-                    f"{name} ({type(module).__name__}) has a {kind} ({hook_dispatch._name(hooks[0][1])}), and amp_fx "
+                    f"{name} ({type(module).__name__}) has a {kind} ({hook_dispatch.hook_name(hooks[0][1])}), and amp_fx "
                     f"would have to trace {type(model).__name__} with torch.export: fx could not ({failure.splitlines()[0]}). "
                     "torch.export runs hooks once while it traces and keeps their effect in the graph (an observing "
                     f"hook would never fire again, a backward hook never). Routes that keep hooks: "
@@ -418,7 +437,7 @@ def trace_model(
         _refuse_hooks_on_export(originals, failure, failed_in)
         try:
             args, kwargs = tuple(example_inputs or ()), dict(example_kwarg_inputs or {})
-            # refuse what torch.export would drop silently (amp_fx/frontend/export_guards.py)
+            # refuse what torch.export would drop silently (amp_fx/frontend/trace_guards.py)
             exported = watched_export(model, lambda: _export_trace(model, args, kwargs, module_class, dynamic_shapes))
             setattr(exported, FX_FAILED_IN_ATTR, failed_in)  # where a hook's refusal says a leaf helps (core/live_hooks.py)
             return exported, "torch.export"

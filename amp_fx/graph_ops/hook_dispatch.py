@@ -49,7 +49,8 @@ from amp_fx.graph_ops.master_sync import sync_parameters_of
 from amp_fx.errors import AmpRuntimeError, AmpWarning, UnsupportedConstructError
 
 __all__ = ["Frame", "enter", "leave", "unwind", "open_depth", "call_with_hooks", "user_hooks", "has_user_hooks",
-           "refuse_non_full_backward_hooks", "COMPUTATION_HOOKS", "HOOK_DICTS", "HookWarning"]
+           "refuse_non_full_backward_hooks", "hook_name", "global_hooks", "refuse_global_hooks", "COMPUTATION_HOOKS",
+           "HOOK_DICTS", "HookWarning"]
 
 
 class HookWarning(AmpWarning):
@@ -90,7 +91,7 @@ def has_user_hooks(module: nn.Module) -> bool:
 def refuse_non_full_backward_hooks(module: nn.Module, path: str, error: type = AmpRuntimeError) -> None:
     """Refuse the deprecated ``register_backward_hook`` (its gradients depend on the module's last autograd op)."""
     if module.__dict__.get("_backward_hooks") and module.__dict__.get("_is_full_backward_hook") is False:
-        hooks = ", ".join(_name(h) for h in module._backward_hooks.values())
+        hooks = ", ".join(hook_name(h) for h in module._backward_hooks.values())
         name = f"module {path!r}" if path else "the root module"
         message = (f"{name} ({type(module).__name__}) has a backward hook registered with the deprecated "
                    f"register_backward_hook ({hooks}): its grad_input depends on which op the module ran last, and "
@@ -100,7 +101,8 @@ def refuse_non_full_backward_hooks(module: nn.Module, path: str, error: type = A
             else error(message)
 
 
-def _name(hook: Any) -> str:
+def hook_name(hook: Any) -> str:
+    """The name an error gives a hook: its qualified name, or its class's."""
     return getattr(hook, "__qualname__", None) or getattr(type(hook), "__qualname__", repr(hook))
 
 
