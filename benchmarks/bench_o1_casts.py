@@ -200,7 +200,10 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     results: dict = {}
     try:
+        from benchmark import cpu_capability
+
         print(f"torch {torch.__version__}, 1 thread, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+        print(cpu_capability())
         if args.only in (None, "cache"):
             results["cache"] = cache_checks()
             print("\ncast cache: what a check for a p.data write would cost (1024x1024 fp32 weight, CPU time per call)")
