@@ -8,6 +8,7 @@ Run from a checkout::
     python benchmarks/benchmark.py --device cuda --dtype fp16
     python benchmarks/benchmark.py --preset issue14 --model mlp,gpt --accumulation-only --rounds 15
     python benchmarks/benchmark.py --preset issue14 --sgd fused --clock cpu   # a shared machine: CPU-time clock
+    python benchmarks/benchmark.py --preset issue14 --model mlp --modes 'torch.autocast,amp_fx O1' --cast-diff --no-scaling
 
 For every model (MLP, CNN with BatchNorm, transformer encoder, GPT decoder
 with tied embeddings) and every mode (fp32, torch.autocast, amp_fx O1/O2/O3
@@ -18,7 +19,9 @@ share of op time in GEMM/convolution/attention kernels, which autocast and
 amp_fx run identically, and the ratio of the rest to autocast's; peak memory
 of the step; cast kernels per step; the bytes non-GEMM kernels read and
 write per step, by kind (``ByteCounter``); convert and compile time.  Each table is
-followed by the issue-7 targets that apply to it, met or missed.  How the
+followed by issue 41's targets that apply to it, met or missed (:data:`ISSUE41_TARGETS`), and
+``--cast-diff`` adds, for each eager amp_fx mode, the kernels of one step that it runs and
+autocast does not, or autocast runs and it does not (:func:`kernel_diff`).  How the
 figures are taken is documented in ``bench_measure`` (timing, memory, GEMM
 split, casts) and ``bench_modes`` (what a step is).  Then it measures
 convert time against depth and the torch.export route (``bench_scaling``).
@@ -29,6 +32,7 @@ tables (``bench_inference``, ``bench_accumulation``).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import logging
 import os
@@ -37,11 +41,13 @@ import sys
 from typing import Any, Callable, Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from bench_measure import BYTE_KINDS, ByteCounter, CastCounter, RoundTimer, profile_step, spread, state_bytes  # noqa: E402
+from bench_measure import _NO_DATA, _tensors  # noqa: E402
 from bench_models import MODEL_NAMES, PRESETS, build_case  # noqa: E402
 from bench_modes import COMPILED_BASELINE, EAGER_BASELINE, MODES, SGD_KINDS, build_trainer, state_tensors  # noqa: E402
 from bench_scaling import convert_vs_depth, export_route  # noqa: E402
@@ -49,10 +55,25 @@ from bench_inference import bench_inference, inference_targets, print_inference 
 from bench_fused import bench_fused, print_fused  # noqa: E402
 from bench_accumulation import accumulation_targets, bench_accumulation, print_accumulation  # noqa: E402
 
-__all__ = ["main", "parse_args", "bench_model", "check_targets"]
+__all__ = ["main", "parse_args", "bench_model", "check_targets", "kernel_diff", "KernelLog", "ISSUE41_TARGETS"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MIB = 2.0**20
+
+# Issue 41's time targets, x the baseline of the mode's world (eager: torch.autocast, compiled: compile+autocast), by
+# model; "*" is every model.  Measured on a bf16-capable CPU (the issue: with AMX), 1 thread, the fastest SGD on
+# every side (--sgd fused).
+ISSUE41_TARGETS: dict[str, dict[str, float]] = {
+    "amp_fx O1": {"mlp": 0.90, "transformer": 0.95, "gpt": 0.95},
+    "amp_fx O2": {"mlp": 0.80, "transformer": 0.85, "gpt": 0.85},
+    'compile(backend="amp_fx")': {"*": 0.95},
+    "compile(convert O2)": {"*": 0.95},
+}
+# The MLP's step at most this many times its GEMMs' time (autocast was at 2.17x on the issue's AMX machine).
+GEMM_FLOOR_TARGET = 1.7
+# Peak memory of a step at most this fraction of autocast's (O1: autocast's, to 0.1%: the order in which autograd
+# frees a bias's and a weight's gradient casts moves a peak by a few hundred bytes either way).
+PEAK_TARGETS = {"amp_fx O1": 1.001, "amp_fx O2": 0.8}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -95,6 +116,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              "vs autocast, k micro-batches per step (bench_accumulation)")
     parser.add_argument("--accumulation-only", action="store_true", help="only the gradient-accumulation tables")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per optimizer step (default 4)")
+    parser.add_argument("--cast-diff", action="store_true",
+                        help="also list, per eager amp_fx mode, the kernels of one step (casts by dtype and shape, other "
+                             "kernels by op) that it runs and autocast does not, and the reverse")
     parser.add_argument("--fused", action="store_true",
                         help="also the fused-norm lever: a GroupNorm CNN at O1 with and without fuse_precision (bench_fused)")
     args = parser.parse_args(argv)
@@ -143,6 +167,11 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
                 trainer.work()
             rows[mode]["casts"], rows[mode]["cast_bytes"] = counter.count, counter.bytes
             rows[mode]["moved"] = moved.by_kind
+            if args.cast_diff:
+                trainer.zero()
+                with KernelLog() as log:
+                    trainer.work()
+                rows[mode]["kernels"] = log.kernels
     _profile_rounds(trainers, rows, args)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     timer = RoundTimer({m: t.step for m, t in trainers.items()}, sync, args.clock)
@@ -212,32 +241,88 @@ def print_table(result: dict) -> None:
 
 
 def check_targets(result: dict) -> list[tuple[str, bool, str]]:
-    """The issue's targets that apply to this model: (target, met, figures)."""
+    """Issue 41's targets that apply to this model (:data:`ISSUE41_TARGETS`): (target, met, figures)."""
     rows, name, out = result["rows"], result["name"], []
-
-    def ratio(mode: str, limit: float, label: str) -> None:
-        if mode in rows:
-            out.append((label, rows[mode]["ratio"] <= limit, f"{rows[mode]['ratio']:.2f} <= {limit}"))
-
-    ratio("amp_fx O1", 0.95, "O1 eager <= 0.95x autocast")
-    if name in ("transformer", "gpt"):
-        ratio("amp_fx O2", 0.85, "O2 eager <= 0.85x autocast")
-    ratio('compile(backend="amp_fx")', 0.90, 'compile(backend="amp_fx") <= 0.90x compile+autocast')
-    base = rows[EAGER_BASELINE]
-    if name == "transformer":
-        for mode in ("amp_fx O1", "amp_fx O2", "amp_fx O3"):
-            if mode in rows and "casts" in rows[mode]:
-                out.append((f"{mode} casts <= 0.5x autocast's", rows[mode]["casts"] <= 0.5 * base["casts"],
-                            f"{rows[mode]['casts']} vs {base['casts']}"))
-    # Peaks are compared to 0.1%: the order in which autograd frees a bias's and a weight's
-    # gradient casts moves a peak by a few hundred bytes either way.
-    for mode, baseline in (("amp_fx O1", EAGER_BASELINE), ("amp_fx O2", EAGER_BASELINE), ("amp_fx O3", EAGER_BASELINE),
-                           ('compile(backend="amp_fx")', COMPILED_BASELINE)):
-        if mode in rows and baseline in rows:
-            ours, theirs = rows[mode]["peak_bytes"], rows[baseline]["peak_bytes"]
-            out.append((f"{mode} peak <= {baseline}'s (0.1%)", ours <= 1.001 * theirs,
+    for mode, limits in ISSUE41_TARGETS.items():
+        limit = limits.get(name, limits.get("*"))
+        if mode in rows and limit is not None:
+            baseline = MODES[mode][1]
+            out.append((f"{mode} <= {limit}x {baseline}", rows[mode]["ratio"] <= limit, f"{rows[mode]['ratio']:.2f}"))
+    if name == "mlp":
+        for mode in ("torch.autocast", "amp_fx O1", "amp_fx O2"):
+            share = rows.get(mode, {}).get("gemm_share", float("nan"))
+            if share == share and share > 0:  # the profiler's GEMM share: step time / GEMM time is its inverse
+                out.append((f"{mode} step <= {GEMM_FLOOR_TARGET}x its GEMMs", 1 / share <= GEMM_FLOOR_TARGET,
+                            f"{1 / share:.2f}x (GEMMs {100 * share:.0f}% of op time)"))
+    for mode, fraction in PEAK_TARGETS.items():
+        if mode in rows and EAGER_BASELINE in rows:
+            ours, theirs = rows[mode]["peak_bytes"], rows[EAGER_BASELINE]["peak_bytes"]
+            out.append((f"{mode} peak <= {fraction:g}x {EAGER_BASELINE}'s", ours <= fraction * theirs,
                         f"{ours / MIB:.2f} vs {theirs / MIB:.2f} MiB ({(ours - theirs) / 1024:+.1f} KiB)"))
     return out
+
+
+class KernelLog(TorchDispatchMode):
+    """Every kernel that moves data while active, as a count per key (:func:`kernel_key`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        key = kernel_key(func, args, out)
+        if key is not None:
+            self.kernels[key] += 1
+        return out
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def kernel_key(func: Any, args: tuple, out: Any) -> Optional[str]:
+    """A kernel as the cast diff names it: a cast by source and target dtype and shape, other kernels by op and dtypes.
+
+    Views and other kernels that move no data give None (they are not counted).
+    """
+    name = getattr(getattr(func, "overloadpacket", None), "__name__", str(func))
+    if name in _NO_DATA or name.startswith("_record_function"):
+        return None
+    source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if name in ("_to_copy", "convert_element_type") and source is not None and isinstance(out, torch.Tensor):
+        change = f"{_dtype(source)}->{_dtype(out)}" if out.dtype != source.dtype else f"{_dtype(out)} copy"
+        return f"cast {change} {tuple(out.shape)}"
+    if name == "copy_" and source is not None and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        if args[1].dtype != source.dtype:
+            return f"cast {_dtype(args[1])}->{_dtype(source)} {tuple(source.shape)} (copy_)"
+    dtypes = sorted({_dtype(t) for t in _tensors(args) if t.is_floating_point()})
+    return f"{name} ({'/'.join(dtypes) or '-'})"
+
+
+def kernel_diff(ours: collections.Counter, theirs: collections.Counter) -> tuple[dict[str, int], dict[str, int]]:
+    """(kernels ``ours`` runs more often than ``theirs``, and the reverse), with how many more times each."""
+    return dict(sorted((ours - theirs).items())), dict(sorted((theirs - ours).items()))
+
+
+def print_kernel_diff(result: dict) -> None:
+    """For each eager amp_fx mode with a kernel log: the kernels of one step it runs beyond autocast's, and below."""
+    rows = result["rows"]
+    base = rows.get(EAGER_BASELINE, {}).get("kernels")
+    if base is None:
+        return
+    for mode, row in rows.items():
+        if mode == EAGER_BASELINE or "kernels" not in row:
+            continue
+        extra, missing = kernel_diff(row["kernels"], base)
+        print(f"  kernels of one step, {mode} vs {EAGER_BASELINE} ({sum(row['kernels'].values())} vs "
+              f"{sum(base.values())}; casts: same dtype change and shape; others: op and floating dtypes):")
+        for sign, diff in (("+", extra), ("-", missing)):
+            for key, count in diff.items():
+                print(f"    {sign}{count} {key}")
+        if not extra and not missing:
+            print("    (the same kernels)")
+    sys.stdout.flush()
 
 
 def run_inference(args: argparse.Namespace, results: dict) -> None:
@@ -326,6 +411,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     print_table(result)
                     for label, met, figures in check_targets(result):
                         print(f"  target {'met ' if met else 'MISS'}  {label}: {figures}")
+                    if args.cast_diff:
+                        print_kernel_diff(result)
                     results[name] = result
             if args.inference and not args.scaling_only:
                 run_inference(args, results)

@@ -227,9 +227,9 @@ def _sink_to_first_reader(casts: list[fx.Node], keep: list[fx.Node]) -> None:
     to fp32) in reverse forward order, so a cast at the top casts its
     gradient last: every parameter's low-precision gradient then stays alive
     until the end of backward.  Just before its reader, as autocast casts,
-    each gradient is cast and freed as soon as it is made (measured under
-    torch.compile with inductor: a 2-layer encoder's training-step peak went
-    from 2.37 to 2.14 MiB, autocast's figure).  Safe: a cast is
+    each gradient is cast and freed as soon as it is made (the compiled
+    step's peak memory with and without the move: docs/performance.md, "O1
+    casts"; ``benchmarks/bench_o1_casts.py --only sink``).  Safe: a cast is
     made for its first reader, after any in-place write to its source, and
     its readers all come before the next write (which gets a new cast).
     Entry casts (``keep``) stay where they are: every reader sees them.

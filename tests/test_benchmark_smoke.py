@@ -21,7 +21,7 @@ def test_quick_run_prints_every_mode_with_sane_figures(capsys):
     """--quick on the MLP: every mode trains, is timed against its baseline, and the casts are counted."""
     threads = torch.get_num_threads()
     results = benchmark.main(["--quick", "--model", "mlp", "--rounds", "2", "--repeats", "1", "--warmup", "1", "--profile-rounds", "1",
-                              "--depths", "1,2"])
+                              "--depths", "1,2", "--cast-diff"])
     assert torch.get_num_threads() == threads  # main() restores the caller's thread count
     out = capsys.readouterr().out
     rows = results["mlp"]["rows"]
@@ -41,6 +41,55 @@ def test_quick_run_prints_every_mode_with_sane_figures(capsys):
         assert ("moved" in rows[mode]) == (group == "eager"), mode
     assert all(rows[m]["moved"]["optimizer"] > 0 for m in MODES if "moved" in rows[m])
     assert rows["fp32"]["moved"]["cast"] == 0 < rows["torch.autocast"]["moved"]["cast"]
+    # --cast-diff: every eager amp_fx mode's kernels against autocast's; on a plain MLP O1 casts what autocast casts,
+    # one for one (same dtypes and shapes), and O2 casts fewer.
+    amp_modes = [m for m, (group, _) in MODES.items() if group == "eager" and m.startswith("amp_fx")]
+    assert len(amp_modes) == 3
+    for mode in amp_modes:
+        assert f"kernels of one step, {mode} vs torch.autocast" in out
+    o1_extra, o1_missing = benchmark.kernel_diff(rows["amp_fx O1"]["kernels"], rows["torch.autocast"]["kernels"])
+    assert not [k for k in (*o1_extra, *o1_missing) if k.startswith("cast ")], (o1_extra, o1_missing)
+    o2_extra, o2_missing = benchmark.kernel_diff(rows["amp_fx O2"]["kernels"], rows["torch.autocast"]["kernels"])
+    assert any(k.startswith("cast float32->bfloat16") for k in o2_missing)
+
+
+def test_kernel_log_names_casts_by_dtype_change_and_shape_and_the_diff_counts_the_difference():
+    """A cast is keyed by its dtype change and shape, a same-dtype copy apart from it, another kernel by op and dtypes;
+    views count nothing; the diff gives what one side runs more often than the other, in both directions."""
+    x = torch.randn(4, 3)
+    with benchmark.KernelLog() as ours:
+        low = x.to(torch.bfloat16)
+        low.float()
+        x.t().unsqueeze(0)  # views: nothing
+        torch.ops.aten._to_copy.default(x, dtype=torch.float32)  # a copy that changes no dtype
+        x + 1
+    with benchmark.KernelLog() as theirs:
+        x.to(torch.bfloat16)
+        x.to(torch.bfloat16)
+    assert dict(ours.kernels) == {"cast float32->bfloat16 (4, 3)": 1, "cast bfloat16->float32 (4, 3)": 1,
+                                  "cast float32 copy (4, 3)": 1, "add (float32)": 1}
+    extra, missing = benchmark.kernel_diff(ours.kernels, theirs.kernels)
+    assert extra == {"add (float32)": 1, "cast bfloat16->float32 (4, 3)": 1, "cast float32 copy (4, 3)": 1}
+    assert missing == {"cast float32->bfloat16 (4, 3)": 1}
+
+
+def test_targets_are_issue_41s():
+    """Each model gets issue 41's limits: O1 0.90 (MLP) / 0.95, O2 0.80 / 0.85, compiled 0.95, the MLP's GEMM floor
+    1.7x, peaks O1 <= autocast's and O2 <= 0.8x autocast's."""
+    def row(ratio, peak=100.0, share=0.7):
+        return {"ratio": ratio, "peak_bytes": peak, "gemm_share": share}
+
+    rows = {"torch.autocast": row(1.0), "amp_fx O1": row(0.91), "amp_fx O2": row(0.79, peak=79.0, share=0.5),
+            "compile+autocast": row(1.0), 'compile(backend="amp_fx")': row(0.96)}
+    mlp = {label: met for label, met, _ in benchmark.check_targets({"name": "mlp", "rows": rows})}
+    assert mlp == {"amp_fx O1 <= 0.9x torch.autocast": False, "amp_fx O2 <= 0.8x torch.autocast": True,
+                   'compile(backend="amp_fx") <= 0.95x compile+autocast': False,
+                   "torch.autocast step <= 1.7x its GEMMs": True, "amp_fx O1 step <= 1.7x its GEMMs": True,
+                   "amp_fx O2 step <= 1.7x its GEMMs": False,
+                   "amp_fx O1 peak <= 1.001x torch.autocast's": True, "amp_fx O2 peak <= 0.8x torch.autocast's": True}
+    gpt = {label: met for label, met, _ in benchmark.check_targets({"name": "gpt", "rows": rows})}
+    assert gpt["amp_fx O1 <= 0.95x torch.autocast"] and gpt["amp_fx O2 <= 0.85x torch.autocast"]
+    assert not any("GEMMs" in label for label in gpt)
 
 
 def test_cast_counter_counts_only_dtype_changes():

@@ -56,10 +56,10 @@ clamp written as ``w.data.copy_(...)``, a hand-written update
 ``p.data -= lr * p.grad`` outside ``torch.optim``) is not seen, and the old
 cast is served: ``p.data`` is a new alias with its own version counter, so the
 write bumps nothing on ``p``, and the storage, shape and strides stay the same.
-Nothing cheaper than reading the whole weight can tell (measured on one CPU
-thread, 1024x1024 fp32: a cached read 1.3 us, the bf16 cast it saves 117 us,
-a ``sum`` of the weight 50 us and not even sound, ``torch.equal`` against a
-kept copy 1354 us), so it is not detected. After such a write call
+Nothing cheaper than reading the whole weight can tell, and a sound check (a
+comparison with a kept copy) costs more than the cast it would save
+(docs/performance.md, "O1 casts"; ``benchmarks/bench_o1_casts.py --only
+cache``), so it is not detected. After such a write call
 ``gm.clear_cast_cache()`` (that module's parameters) or
 ``amp_fx.clear_cast_cache()`` (all); or write under ``torch.no_grad()``
 without ``.data`` (``p.mul_(0.5)``), which bumps the version and is seen.
