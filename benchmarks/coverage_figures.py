@@ -1,11 +1,12 @@
 """The figures of issue 40 (item 2): share of GEMM FLOPs that ran low, eager autocast vs the amp_fx backend.
 
-Not a test (pytest does not collect it): ``python tests/dynamo/coverage_figures.py`` prints, for an
+``python benchmarks/run.py coverage-figures`` (or ``python benchmarks/coverage_figures.py``) prints, for an
 nn.TransformerEncoder with a causal mask (its mask check's Tensor.item() breaks the graph) and two LSTM
 language models without allow_rnn, the low share under eager autocast and through
 ``torch.compile(model, backend=amp_fx.backend(level="O1", dtype=torch.bfloat16, inner="aot_eager"))``,
-measured at dispatch with amp_fx.coverage.  ``--before`` turns amp_fx's eager mode off (the behaviour
-before issue 40): what Dynamo runs eagerly then runs fp32.
+measured at dispatch with amp_fx.coverage.  ``--before`` (preset ``coverage-figures-before``) turns amp_fx's
+eager mode off (the behaviour before issue 40): what Dynamo runs eagerly then runs fp32.  The shares count
+FLOPs, not time, so they do not depend on the CPU.
 """
 
 import sys
