@@ -83,6 +83,21 @@ class CopyGroup:
         kept buffer back (``keep_buffers``): no allocation, and no page faults
         on fresh memory, per step.
         """
+        dst, src = self._attach()
+        if not dst:
+            return
+        if self.sharded:
+            dst, src = [local_tensor(d) for d in dst], [local_tensor(g) for g in src]
+        if check is None:
+            torch._foreach_copy_(dst, src)
+            return
+        found_inf, inv = check
+        for d, g in zip(dst, src):
+            d.copy_(g)
+            check_and_unscale_into_([d], found_inf, inv)
+
+    def _attach(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Give each master whose parameter has a gradient an fp32 gradient to copy into (others None); (into, from)."""
         dst, src = [], []
         for i, (param, master) in enumerate(zip(self.params, self.masters)):
             grad = param.grad
@@ -99,17 +114,16 @@ class CopyGroup:
                 target = master.grad = self._buffer(i, master)
             dst.append(target)
             src.append(grad)
-        if not dst:
-            return
-        if self.sharded:
-            dst, src = [local_tensor(d) for d in dst], [local_tensor(g) for g in src]
-        if check is None:
-            torch._foreach_copy_(dst, src)
-            return
-        found_inf, inv = check
-        for d, g in zip(dst, src):
-            d.copy_(g)
-            check_and_unscale_into_([d], found_inf, inv)
+        return dst, src
+
+    def attach_grad_buffers(self, sources: dict[int, torch.Tensor]) -> None:
+        """:meth:`copy_grads_to_masters` without the copy: each master gets its gradient buffer, ``sources`` maps
+        ``id(master)`` to the low gradient still to be copied into it (:mod:`amp_fx.runtime.chunked_step` copies it
+        chunk by chunk). Plain (unsharded) groups only."""
+        self._attach()
+        for param, master in zip(self.params, self.masters):
+            if param.grad is not None:
+                sources[id(master)] = param.grad
 
     def _buffer(self, i: int, master: torch.Tensor) -> torch.Tensor:
         """The kept fp32 gradient buffer of master ``i``; a new one on first use, or when the master changed or

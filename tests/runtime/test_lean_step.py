@@ -211,14 +211,16 @@ def test_one_copy_per_dtype_group_each_way(monkeypatch):
 
     Under a LossScaler the way in is one copy per gradient, each checked right after its copy (issue 27: while
     it is in cache), and the way out one foreach copy per group; a plain ``mw.step()`` copies in per group too.
+    This is the plain route (``foreach=True``: not the chunked step, which tests/runtime/test_chunked_step.py counts).
     """
-    _, gm, mw, scaler = o2("adamw", torch.bfloat16)
+    _, gm, mw, scaler = o2("adamw", torch.bfloat16, foreach=True)
     x, y = make_batches(1)[0]
     mw.zero_grad()
     backward(gm, scaler, x, y)
     copies = CountCalls(monkeypatch, "_foreach_copy_")
     checks = CountCalls(monkeypatch, "_amp_foreach_non_finite_check_and_unscale_")
     assert scaler.step(mw) is True
+    assert mw.last_step_route == "optimizer.step (a param group is not fused=True (or is capturable/differentiable))"
     assert sorted(copies.lengths) == [4, 6]
     assert checks.lengths == [1] * 10
 
@@ -289,8 +291,11 @@ def test_o2_step_reads_the_verdict_once_and_checks_each_master_grad_once(monkeyp
         assert scaler.step(mw) is True
         scaler.update()
     assert syncs.count == 1
-    # every fp32 master gradient checked once, each right after its copy
-    assert calls.lengths == [1] * len(list(mw.master_parameters()))
+    assert mw.last_step_route == "chunked"
+    if dtype == torch.bfloat16:  # nothing to unscale: the gradients are checked as backward left them, once per dtype
+        assert sorted(calls.lengths) == [4, 6]
+    else:  # every fp32 master gradient checked (and unscaled) once, each right after its copy
+        assert calls.lengths == [1] * len(list(mw.master_parameters()))
 
 
 def test_closure_step_through_the_lean_path():
