@@ -116,14 +116,20 @@ class CopyGroup:
             src.append(grad)
         return dst, src
 
-    def attach_grad_buffers(self, sources: dict[int, torch.Tensor]) -> None:
-        """:meth:`copy_grads_to_masters` without the copy: each master gets its gradient buffer, ``sources`` maps
-        ``id(master)`` to the low gradient still to be copied into it (:mod:`amp_fx.runtime.chunked_step` copies it
-        chunk by chunk). Plain (unsharded) groups only."""
-        self._attach()
+    def grad_sources(self, sources: dict[int, torch.Tensor]) -> None:
+        """Map ``id(master)`` to its parameter's gradient in ``sources`` and clear the master's: the chunked step
+        (:mod:`amp_fx.runtime.chunked_step`) reads the low gradients through a scratch buffer, not the masters'."""
         for param, master in zip(self.params, self.masters):
-            if param.grad is not None:
-                sources[id(master)] = param.grad
+            master.grad = None
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise AmpNotImplementedError(
+                    "MasterWeightOptimizer does not support sparse gradients; use dense ones "
+                    "(e.g. nn.Embedding(sparse=False))"
+                )
+            sources[id(master)] = grad
 
     def _buffer(self, i: int, master: torch.Tensor) -> torch.Tensor:
         """The kept fp32 gradient buffer of master ``i``; a new one on first use, or when the master changed or

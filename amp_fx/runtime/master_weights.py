@@ -440,15 +440,10 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         sources: dict[int, torch.Tensor] = {}
         if self._grads_deferred:
             for group in groups:
-                group.attach_grad_buffers(sources)
+                group.grad_sources(sources)
         written = chunked_step(self.optimizer, sources, self._low_of)
         if isinstance(written, str):
-            if sources:  # the buffers were attached: fill them for the plain step
-                masters = [m for _, m in self._pairs if id(m) in sources]
-                with torch.no_grad():
-                    torch._foreach_copy_([m.grad for m in masters], [sources[id(m)] for m in masters])
-            self._grads_deferred = False
-            return written
+            return written  # (step() then copies the deferred gradients and steps the plain way)
         with torch.no_grad():  # masters without a gradient: their low copy is rewritten too, as by the plain step
             rest = [(p, m) for g in groups for p, m in zip(g.params, g.masters) if id(m) not in written]
             if rest:

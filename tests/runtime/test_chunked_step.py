@@ -1,6 +1,6 @@
 """O2's chunked step (issue 41): gradient copy, fused update and low copy per cache-sized chunk.
 
-1. The chunked route leaves masters, low parameters and optimizer state bit for bit as the plain route
+1. The chunked route (bf16: the low gradients read through a scratch buffer) leaves masters, low parameters and optimizer state bit for bit as the plain route
    (``optimizer.step()`` over all masters), for SGD (momentum, nesterov, none), Adam (amsgrad) and AdamW, across
    several chunks, a skipped inf/NaN step, gradient accumulation, a closure and fp16 loss scaling.
 2. A checkpoint taken between steps resumes to the same bits as an uninterrupted run.
@@ -34,7 +34,7 @@ PLAIN = "optimizer.step (an optimizer step hook is registered)"
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    """Chunks of 1 KiB of masters: the test model (1.7k parameters, 6.6 KiB) steps in three."""
+    """Chunks of 1 KiB of masters (256-element slices of larger ones): the test model (1.7k parameters) steps in 6."""
     monkeypatch.setattr(chunked_step, "CHUNK_BYTES", 1024)
 
 
@@ -164,17 +164,25 @@ def test_bf16_checks_the_low_gradients_once_and_copies_per_chunk(monkeypatch):
     # one check per dtype, of the gradients as backward left them: the Linears' 6 bf16 ones, the LayerNorms' 4 fp32
     checks = calls["_amp_foreach_non_finite_check_and_unscale_"]
     assert sorted(checks, key=len) == [[torch.float32] * 4, [torch.bfloat16] * 6]
-    chunks = list(chunked_step._chunks(len(list(mw.master_parameters())), list(mw.master_parameters())))
-    # the first weight alone (1 KiB), the next 4 (LayerNorm, Linear), the last 5 (less than 1 KiB together)
-    assert [(c.start, c.stop) for c in chunks] == [(0, 1), (1, 5), (5, 10)]
-    assert len(calls["_foreach_copy_"]) == 2 * len(chunks)  # each chunk: its gradients in, its masters out
-    assert sum(len(c) for c in calls["_foreach_copy_"]) == 2 * len(list(mw.master_parameters()))
+    # 1 KiB chunks, slices of 256 elements: [0.weight (256)], [0.bias, 2.weight, 2.bias, 3.weight's 1st slice],
+    # 3.weight's 2nd, 3rd and 4th slices alone, [3.bias, 5.weight, 5.bias, 6.weight (128), 6.bias]: 6 chunks,
+    # each one copy of its gradients in and one of its masters out (13 pieces each way)
+    copies = calls["_foreach_copy_"]
+    assert len(copies) == 12 and sum(len(c) for c in copies) == 26
+    assert [len(c) for c in copies[::2]] == [1, 4, 1, 1, 1, 5]
+    assert all(m.grad is None for m in mw.master_parameters())  # the gradients went through the scratch buffer
 
 
-def test_chunks_cover_every_parameter_once_in_order():
-    params = [torch.empty(n) for n in (10, 600, 4, 4, 2000, 1, 1)]
-    parts = list(chunked_step._chunks(len(params), params))
-    assert [(s.start, s.stop) for s in parts] == [(0, 2), (2, 5), (5, 7)]  # >= 1024 bytes each but the last
+def test_pieces_slice_contiguous_masters_at_vector_boundaries_and_keep_others_whole():
+    master, source, low = torch.zeros(1000), torch.ones(1000, dtype=torch.bfloat16), torch.zeros(1000)
+    pieces = list(chunked_step._pieces(master, source, [torch.zeros(1000)], None, low))
+    assert [p.master.numel() for p in pieces] == [256, 256, 256, 232]  # CHUNK_BYTES 1 KiB: 256 fp32 per slice
+    assert all(p.grad is None and p.master.data_ptr() == master.data_ptr() + 4 * 256 * i for i, p in enumerate(pieces))
+    wide = torch.zeros(40, 30).t()  # not contiguous: one piece, with a gradient of its own layout
+    piece, = chunked_step._pieces(wide, torch.ones(30, 40, dtype=torch.bfloat16).t(), [], None, None)
+    assert piece.master is wide and piece.grad.stride() == wide.stride()
+    chunks = list(chunked_step._chunks(pieces + [piece]))
+    assert [len(c) for c in chunks] == [1, 1, 1, 2]  # >= 1 KiB of masters each but the last
 
 
 # ------------------------------------------------------------------ 4
