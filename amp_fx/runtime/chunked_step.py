@@ -146,12 +146,13 @@ def _chunks(pieces: list[_Piece]) -> Iterator[list[_Piece]]:
 
 
 def chunked_step(optimizer: torch.optim.Optimizer, grad_sources: dict[int, torch.Tensor],
-                 lows: dict[int, torch.Tensor]) -> set[int] | str:
+                 lows: dict[int, torch.Tensor], scratch: list[torch.Tensor]) -> set[int] | str:
     """Step ``optimizer`` chunk by chunk; the ids of the masters whose low copy was written, or why it did not step.
 
     ``grad_sources``: ``id(master) -> low gradient`` not copied anywhere yet: the step reads it through a
     chunk-sized fp32 scratch buffer (cache-resident; the master's ``.grad`` stays None). Masters not in it step
-    on their ``.grad``. ``lows``: ``id(master) -> low parameter`` to copy the stepped master into.
+    on their ``.grad``. ``lows``: ``id(master) -> low parameter`` to copy the stepped master into. ``scratch``:
+    a one-element list holding the fp32 scratch buffer, kept by the caller from step to step (grown here).
     Call only where :func:`why_not_chunked` returned None; a reason returned here means nothing was changed.
     """
     reason = _why_not_with_grads(optimizer, grad_sources)
@@ -162,7 +163,6 @@ def chunked_step(optimizer: torch.optim.Optimizer, grad_sources: dict[int, torch
     if "step" in optimizer.__dict__:  # an LR scheduler's wrapper: it would have recorded the call
         optimizer._opt_called = True  # type: ignore[attr-defined]
     written: set[int] = set()
-    scratch = torch.empty(0)
     with torch.no_grad():
         for group in optimizer.param_groups:
             params = [p for p in group["params"] if p.grad is not None or id(p) in grad_sources]
@@ -176,12 +176,12 @@ def chunked_step(optimizer: torch.optim.Optimizer, grad_sources: dict[int, torch
                       for piece in _pieces(p, grad_sources.get(id(p)), tensors, step, lows.get(id(p)))]
             for chunk in _chunks(pieces):
                 need = sum(piece.master.numel() for piece in chunk if piece.grad is None)
-                if scratch.numel() < need:
-                    scratch = torch.empty(need)
+                if scratch[0].numel() < need or scratch[0].device != chunk[0].master.device:
+                    scratch[0] = torch.empty(need, device=chunk[0].master.device)
                 grads, at = [], 0
                 for piece in chunk:
                     if piece.grad is None:
-                        grads.append(scratch[at:at + piece.master.numel()])
+                        grads.append(scratch[0][at:at + piece.master.numel()])
                         at += piece.master.numel()
                     else:
                         grads.append(piece.grad)

@@ -174,6 +174,8 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         self._grads_deferred = False
         # Which way the last step() went: "chunked", or "optimizer.step (<why not chunked>)" (chunked_step).
         self.last_step_route = ""
+        # The chunked step's fp32 scratch gradient (CHUNK_BYTES and a bit), kept from step to step.
+        self._scratch = [torch.empty(0)]
         # The low gradients as _mirror_master_grads() left them (grad_edits.mirror): edits until the step reach the masters.
         self._grad_marks: grad_edits.Marks | None = None
         # fp32_grad_accumulation: the masters' gradients' versions right after the user's scaler.unscale_ (a clip
@@ -441,7 +443,7 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         if self._grads_deferred:
             for group in groups:
                 group.grad_sources(sources)
-        written = chunked_step(self.optimizer, sources, self._low_of)
+        written = chunked_step(self.optimizer, sources, self._low_of, self._scratch)
         if isinstance(written, str):
             return written  # (step() then copies the deferred gradients and steps the plain way)
         with torch.no_grad():  # masters without a gradient: their low copy is rewritten too, as by the plain step
