@@ -12,10 +12,8 @@ gradient was set to None since the last step, unless anybody else still
 holds it (a stash of gradients, a view, a user's variable: it is then left to
 them and a new one kept). Why: on CPU a tensor above glibc's mmap threshold
 (32 MiB at most) is fresh memory at every allocation, and its page faults
-cost more than the copy: the bf16 -> fp32 copy of 16M elements (64 MiB) took
-18.1 ms into a fresh tensor against 2.8 ms into a kept one (4 MiB: equal,
-glibc reuses the freed heap there). On the benchmark MLP at width 4096 that
-makes O2's update 0.5x (``benchmarks/bench_o2_step.py --width 4096``).
+cost more than the copy (measured: docs/performance.md, "The lean O2 update";
+``benchmarks/bench_o2_step.py --width 4096``).
 """
 
 from __future__ import annotations

@@ -30,19 +30,35 @@ them from the module's gradients, so zeroing the module's gradients in any way
 (``optimizer.zero_grad()``, ``module.zero_grad()``, ``p.grad = None``) zeroes
 them, as in Apex.
 
-Each step is three bulk operations per (device, dtype) group of parameters:
-one ``torch._foreach_copy_`` of the module's gradients into the masters', the
-wrapped optimizer's step, and one ``torch._foreach_copy_`` of the masters back
-into the module. Under a :class:`~amp_fx.runtime.LossScaler` the way in is one
-copy per gradient, each checked for inf/NaN (and unscaled) right after its
-copy, while it is still in cache (``_sync_check_and_unscale_``: the same
-kernels and bits as a check over all of them). Where the wrapped optimizer leaves ``foreach`` and ``fused``
-unset and its masters are on CPU, Adam, AdamW and SGD step fused (torch would
-step them one tensor at a time there; see :mod:`amp_fx.runtime.step_impl`);
-pass ``foreach=False`` to keep the loop. The masters' fp32 gradients are
-copied into buffers kept from the last step (``keep_grad_buffers=True``, the
-default): no allocation per step, at 4 bytes per low parameter held between
-steps.
+Where the wrapped optimizer leaves ``foreach`` and ``fused`` unset and its
+masters are on CPU, Adam, AdamW and SGD step fused (torch would step them one
+tensor at a time there; see :mod:`amp_fx.runtime.step_impl`); pass
+``foreach=False`` to keep the loop. A step then takes one of two routes
+(``mw.last_step_route`` says which, and why not the first):
+
+* **chunked** (:mod:`amp_fx.runtime.chunked_step`: fused SGD/Adam/AdamW, CPU
+  fp32 masters, no step hook of the user's): chunk by chunk of about 2 MiB of
+  masters, the chunk's gradients are copied to fp32, torch's fused kernel
+  steps it and its masters are copied into the module, while all of it is in
+  cache; bit for bit the plain route. Where nothing was copied before the step
+  (bf16 under ``scaler.step``, whose inf/NaN check then reads the low
+  gradients as backward left them; a plain ``mw.step()``), the gradients go
+  through one small fp32 scratch buffer and the masters hold no gradient
+  after the step (4 bytes per low parameter less held; read or clip the
+  module's low gradients, or call ``scaler.unscale_`` first, which copies
+  them into the masters').
+* **plain**: one ``torch._foreach_copy_`` of the module's gradients into the
+  masters' per (device, dtype) group, the wrapped optimizer's ``step()``, one
+  ``torch._foreach_copy_`` of the masters back. Under a
+  :class:`~amp_fx.runtime.LossScaler` that unscales (fp16) or after the user's
+  ``scaler.unscale_``, the way in is one copy per gradient, each checked for
+  inf/NaN (and unscaled) right after its copy, while it is still in cache
+  (``_sync_check_and_unscale_``); the chunked route then steps on those
+  copies. The masters' fp32 gradients are copied into buffers kept from the
+  last step (``keep_grad_buffers=True``, the default): no allocation per
+  step, at 4 bytes per low parameter held between steps.
+
+What each route costs: docs/performance.md, "O2 update".
 
 With ``fp32_grad_accumulation=True`` the masters' gradients are kept instead:
 each low gradient is added into its master's fp32 gradient as backward makes
