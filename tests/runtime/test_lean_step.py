@@ -6,8 +6,9 @@
    choice is kept, also through add_param_group and load_state_dict.
 3. A skipped step (inf/NaN gradient) leaves parameters, masters and optimizer state untouched.
 4. A parameter without a gradient is not touched: no weight decay, no momentum step, no state.
-5. Each direction is one ``torch._foreach_copy_`` per dtype group, also after add_param_group; under a scaler the
-   way in is one copy per gradient, each checked right after its copy.
+5. On the plain route each direction is one ``torch._foreach_copy_`` per dtype group, also after add_param_group;
+   under a scaler the way in is one copy per gradient, each checked right after its copy (the chunked route's
+   calls: tests/runtime/test_chunked_step.py).
 6. The inf/NaN check is one fused kernel call per (device, dtype), finds inf and NaN in bf16 and fp16 gradients,
    unscales as GradScaler's kernel does, and is read once per step; without the kernel a foreach fallback agrees.
 """
