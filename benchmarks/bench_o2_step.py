@@ -20,9 +20,14 @@ copy with the same optimizer class and learning rate:
   its (fp32) parameters, with ``amp_fx.LossScaler`` (bf16: no scaling, but the
   inf/NaN check and skip).
 - ``O2``: ``amp_fx.convert(model, "O2")`` + ``MasterWeightOptimizer`` over
-  the fp32 masters + ``LossScaler``: the lean step (one gradient copy per
-  dtype group into kept fp32 buffers, the fused step ``MasterWeightOptimizer``
-  chooses where the optimizer left it unset, one copy back).
+  the fp32 masters + ``LossScaler``: the step as shipped (the fused step
+  ``MasterWeightOptimizer`` chooses where the optimizer left it unset, run chunk
+  by chunk with each chunk's gradient copy into kept fp32 buffers before it and
+  its copy back after it: ``amp_fx/runtime/chunked_step.py``).
+- ``O2 plain step``: ``O2`` held to the plain route (a no-op step pre-hook on the
+  inner optimizer keeps the chunked step off): one copy of all gradients in,
+  the optimizer's step over all masters, one copy of all masters out, the inf/NaN
+  check on the fp32 copies. ``O2`` against it is what issue 41's chunked step buys.
 - ``O2 fresh grads``: the same with ``keep_grad_buffers=False`` (the masters'
   gradients allocated afresh every step, as before issue 27).
 - ``O2 foreach`` (SGD only): the same with ``foreach=True``, the SGD step O2
@@ -170,7 +175,7 @@ def build_modes(base: nn.Module, data: tuple, optimizer: str, one_pass: bool = F
     if optimizer == "sgd":
         faster = {sgd_impl: True}
     modes: dict[str, Mode] = {}
-    names = [BASELINE, "autocast", "O1 fused", "O2", "O2 fresh grads", "O2 fp32 accum", "O2 loop", "O2 bf16 norms"]
+    names = [BASELINE, "autocast", "O1 fused", "O2", "O2 plain step", "O2 fresh grads", "O2 fp32 accum", "O2 loop", "O2 bf16 norms"]
     if optimizer == "sgd":
         names.insert(6, "O2 foreach")  # the implementation O2 chose for SGD before the lean update
     for name in names:
@@ -191,6 +196,8 @@ def build_modes(base: nn.Module, data: tuple, optimizer: str, one_pass: bool = F
             keep = name != "O2 fresh grads"
             mw = amp_fx.MasterWeightOptimizer(cls(model.parameters(), **options, **impl), gm, keep_grad_buffers=keep,
                                               fp32_grad_accumulation=name == "O2 fp32 accum")
+            if name == "O2 plain step":
+                mw.optimizer.register_step_pre_hook(lambda *args: None)  # a step hook keeps the chunked step off
             modes[name] = Mode(gm, mw, amp_fx.LossScaler(dtype=torch.bfloat16), False, data)
     if one_pass:
         if optimizer != "sgd":
@@ -258,6 +265,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     for mode in modes.values():
         for _ in range(args.warmup):
             mode.step()
+    print(f"O2's route: {modes['O2'].opt.last_step_route}; O2 plain step's: {modes['O2 plain step'].opt.last_step_route}")
     times = time_rounds(modes, args.rounds, args.repeats)
     base_t = times[BASELINE]
     print(f"\n{'mode':16} {'step ms':>8} {'ratio to baseline':>20} {'update ms':>10} {'update ratio':>20} skipped")

@@ -19,9 +19,8 @@ copied again from it. In-place writes bump the version; a write through
 does a step of torch's fused Adam/AdamW (``fused=True``: its kernels bump no
 version; train the model itself with another implementation, or convert again).
 
-Cost: one ``_version`` read per master per call, a Python list compare: about
-9 us for 150 parameters on the 2-core machine this was measured on (where any
-tensor attribute read costs about 55 ns). Only pairs of plain tensors of the
+Cost: one ``_version`` read per master per call, a Python list compare (measured:
+docs/performance.md, "O2 update"; ``benchmarks/bench_master_sync.py``). Only pairs of plain tensors of the
 same shape are tracked (not FSDP2's DTensor shards, whose masters
 ``MasterWeightOptimizer`` owns).
 """

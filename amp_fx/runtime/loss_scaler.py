@@ -290,8 +290,9 @@ class LossScaler:
         """
         self._unscale(optimizer, before_user_code=True)
 
-    def _unscale(self, optimizer: Any, before_user_code: bool) -> None:
-        """:meth:`unscale_`; ``before_user_code`` False where the step follows at once (nobody can clip in between)."""
+    def _unscale(self, optimizer: Any, before_user_code: bool, step_follows: bool = False) -> None:
+        """:meth:`unscale_`; ``before_user_code`` False where no user code runs before the gradients are mirrored
+        or stepped (nobody can clip in between); ``step_follows``: the optimizer's step itself comes next."""
         if not self._checks:
             return
         state = self._state(optimizer)
@@ -317,7 +318,7 @@ class LossScaler:
         # A MasterWeightOptimizer copies its gradients into the masters' and checks each while it is in cache.
         masters = _master_wrapper(optimizer)
         fused = getattr(masters, "_sync_check_and_unscale_", None)
-        found = fused(inv_scale) if callable(fused) else None
+        found = fused(inv_scale, step_follows=step_follows) if callable(fused) else None
         if found is None:
             sync = getattr(masters, "_sync_grads_to_masters", None)
             if callable(sync):
@@ -361,7 +362,7 @@ class LossScaler:
                 "call scaler.scale(loss).backward() before scaler.step(optimizer)."
             )
         warn_if_eps_underflows(optimizer)
-        if not self._begin_step(optimizer):
+        if not self._begin_step(optimizer, step_follows=True):
             return False
         self._stepping = id(optimizer)
         try:
@@ -374,8 +375,11 @@ class LossScaler:
         """True while :meth:`step` is inside ``optimizer.step()`` (lets wrappers not re-check)."""
         return self._stepping == id(optimizer)
 
-    def _begin_step(self, optimizer: Any) -> bool:
-        """Check ``optimizer``'s gradients (one host sync) and record the verdict; True = step."""
+    def _begin_step(self, optimizer: Any, step_follows: bool = False) -> bool:
+        """Check ``optimizer``'s gradients (one host sync) and record the verdict; True = step.
+
+        ``step_follows``: the caller steps ``optimizer`` right after a True (a master-weight optimizer may then
+        leave its gradient copy to the step; ``amp_fx.scale_loss`` checks at the end of its block instead)."""
         if not self._checks:
             self._record_step(optimizer, True)
             return True
@@ -391,7 +395,7 @@ class LossScaler:
         if state["stage"] is _Stage.READY:
             if self._scaling:
                 self._require_scaled("step")
-            self._unscale(optimizer, before_user_code=False)
+            self._unscale(optimizer, before_user_code=False, step_follows=step_follows)
         total = combined_found_inf(state["found_inf"])
         if total is None:
             if self._scaling:

@@ -12,10 +12,8 @@ gradient was set to None since the last step, unless anybody else still
 holds it (a stash of gradients, a view, a user's variable: it is then left to
 them and a new one kept). Why: on CPU a tensor above glibc's mmap threshold
 (32 MiB at most) is fresh memory at every allocation, and its page faults
-cost more than the copy: the bf16 -> fp32 copy of 16M elements (64 MiB) took
-18.1 ms into a fresh tensor against 2.8 ms into a kept one (4 MiB: equal,
-glibc reuses the freed heap there). On the benchmark MLP at width 4096 that
-makes O2's update 0.5x (``benchmarks/bench_o2_step.py --width 4096``).
+cost more than the copy (measured: docs/performance.md, "The lean O2 update";
+``benchmarks/bench_o2_step.py --width 4096``).
 """
 
 from __future__ import annotations
@@ -83,6 +81,21 @@ class CopyGroup:
         kept buffer back (``keep_buffers``): no allocation, and no page faults
         on fresh memory, per step.
         """
+        dst, src = self._attach()
+        if not dst:
+            return
+        if self.sharded:
+            dst, src = [local_tensor(d) for d in dst], [local_tensor(g) for g in src]
+        if check is None:
+            torch._foreach_copy_(dst, src)
+            return
+        found_inf, inv = check
+        for d, g in zip(dst, src):
+            d.copy_(g)
+            check_and_unscale_into_([d], found_inf, inv)
+
+    def _attach(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Give each master whose parameter has a gradient an fp32 gradient to copy into (others None); (into, from)."""
         dst, src = [], []
         for i, (param, master) in enumerate(zip(self.params, self.masters)):
             grad = param.grad
@@ -99,17 +112,22 @@ class CopyGroup:
                 target = master.grad = self._buffer(i, master)
             dst.append(target)
             src.append(grad)
-        if not dst:
-            return
-        if self.sharded:
-            dst, src = [local_tensor(d) for d in dst], [local_tensor(g) for g in src]
-        if check is None:
-            torch._foreach_copy_(dst, src)
-            return
-        found_inf, inv = check
-        for d, g in zip(dst, src):
-            d.copy_(g)
-            check_and_unscale_into_([d], found_inf, inv)
+        return dst, src
+
+    def grad_sources(self, sources: dict[int, torch.Tensor]) -> None:
+        """Map ``id(master)`` to its parameter's gradient in ``sources`` and clear the master's: the chunked step
+        (:mod:`amp_fx.runtime.chunked_step`) reads the low gradients through a scratch buffer, not the masters'."""
+        for param, master in zip(self.params, self.masters):
+            master.grad = None
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise AmpNotImplementedError(
+                    "MasterWeightOptimizer does not support sparse gradients; use dense ones "
+                    "(e.g. nn.Embedding(sparse=False))"
+                )
+            sources[id(master)] = grad
 
     def _buffer(self, i: int, master: torch.Tensor) -> torch.Tensor:
         """The kept fp32 gradient buffer of master ``i``; a new one on first use, or when the master changed or

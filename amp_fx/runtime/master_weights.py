@@ -30,19 +30,35 @@ them from the module's gradients, so zeroing the module's gradients in any way
 (``optimizer.zero_grad()``, ``module.zero_grad()``, ``p.grad = None``) zeroes
 them, as in Apex.
 
-Each step is three bulk operations per (device, dtype) group of parameters:
-one ``torch._foreach_copy_`` of the module's gradients into the masters', the
-wrapped optimizer's step, and one ``torch._foreach_copy_`` of the masters back
-into the module. Under a :class:`~amp_fx.runtime.LossScaler` the way in is one
-copy per gradient, each checked for inf/NaN (and unscaled) right after its
-copy, while it is still in cache (``_sync_check_and_unscale_``: the same
-kernels and bits as a check over all of them). Where the wrapped optimizer leaves ``foreach`` and ``fused``
-unset and its masters are on CPU, Adam, AdamW and SGD step fused (torch would
-step them one tensor at a time there; see :mod:`amp_fx.runtime.step_impl`);
-pass ``foreach=False`` to keep the loop. The masters' fp32 gradients are
-copied into buffers kept from the last step (``keep_grad_buffers=True``, the
-default): no allocation per step, at 4 bytes per low parameter held between
-steps.
+Where the wrapped optimizer leaves ``foreach`` and ``fused`` unset and its
+masters are on CPU, Adam, AdamW and SGD step fused (torch would step them one
+tensor at a time there; see :mod:`amp_fx.runtime.step_impl`); pass
+``foreach=False`` to keep the loop. A step then takes one of two routes
+(``mw.last_step_route`` says which, and why not the first):
+
+* **chunked** (:mod:`amp_fx.runtime.chunked_step`: fused SGD/Adam/AdamW, CPU
+  fp32 masters, no step hook of the user's): chunk by chunk of about 2 MiB of
+  masters, the chunk's gradients are copied to fp32, torch's fused kernel
+  steps it and its masters are copied into the module, while all of it is in
+  cache; bit for bit the plain route. Where nothing was copied before the step
+  (bf16 under ``scaler.step``, whose inf/NaN check then reads the low
+  gradients as backward left them; a plain ``mw.step()``), the gradients go
+  through one small fp32 scratch buffer and the masters hold no gradient
+  after the step (4 bytes per low parameter less held; read or clip the
+  module's low gradients, or call ``scaler.unscale_`` first, which copies
+  them into the masters').
+* **plain**: one ``torch._foreach_copy_`` of the module's gradients into the
+  masters' per (device, dtype) group, the wrapped optimizer's ``step()``, one
+  ``torch._foreach_copy_`` of the masters back. Under a
+  :class:`~amp_fx.runtime.LossScaler` that unscales (fp16) or after the user's
+  ``scaler.unscale_``, the way in is one copy per gradient, each checked for
+  inf/NaN (and unscaled) right after its copy, while it is still in cache
+  (``_sync_check_and_unscale_``); the chunked route then steps on those
+  copies. The masters' fp32 gradients are copied into buffers kept from the
+  last step (``keep_grad_buffers=True``, the default): no allocation per
+  step, at 4 bytes per low parameter held between steps.
+
+What each route costs: docs/performance.md, "O2 update".
 
 With ``fp32_grad_accumulation=True`` the masters' gradients are kept instead:
 each low gradient is added into its master's fp32 gradient as backward makes
@@ -81,6 +97,7 @@ from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer, check_inner_optim
 from . import fp32_grad_accumulation as fp32_accum
 from . import grad_edits
 from .dtensors import is_dtensor, local_tensor, refuse_replaced_params
+from .chunked_step import chunked_step, why_not_chunked
 from .master_copies import CopyGroup, group_pairs
 from .master_mapping import MasterMapping, check_fp32_accumulation, check_module
 from .overflow import check_and_unscale_, grads_of
@@ -169,6 +186,12 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         self._added = 0
         self._init_face()
         self._grads_synced = False
+        # Checked for inf/NaN on the low gradients, not yet copied into the masters' (the chunked step copies them).
+        self._grads_deferred = False
+        # Which way the last step() went: "chunked", or "optimizer.step (<why not chunked>)" (chunked_step).
+        self.last_step_route = ""
+        # The chunked step's fp32 scratch gradient (CHUNK_BYTES and a bit), kept from step to step.
+        self._scratch = [torch.empty(0)]
         # The low gradients as _mirror_master_grads() left them (grad_edits.mirror): edits until the step reach the masters.
         self._grad_marks: grad_edits.Marks | None = None
         # fp32_grad_accumulation: the masters' gradients' versions right after the user's scaler.unscale_ (a clip
@@ -252,7 +275,7 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         with torch.no_grad():
             for group in self._copy_groups():
                 group.clear_param_grads(set_to_none)
-        self._grads_synced = False
+        self._grads_synced = self._grads_deferred = False
         self._grad_epoch += 1
 
     # ------------------------------------------------------------------ step
@@ -265,11 +288,13 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
                 group.buffers = [old.get(id(m)) for m in group.masters]
             self._old_groups = None
             self._sync_entries = writers(self._pairs)  # the converted modules' records these copies refresh
+            self._low_of = {id(m): p for g in self._groups for p, m in zip(g.params, g.masters)}
         return self._groups
 
     def _sync_grads_to_masters(self) -> None:
         """Copy the module's low-precision grads into fp32 master grads (once per iteration; later: their edits)."""
         if self._grads_synced:
+            self._copy_deferred_grads()
             if self._grad_marks is not None:  # clipped (or otherwise edited) since unscale_: the masters follow
                 grad_edits.apply_edits(self._pairs, self._grad_marks)
                 self._grad_marks = None
@@ -288,13 +313,33 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
                     group.copy_grads_to_masters()
         self._grads_synced = True
 
-    def _sync_check_and_unscale_(self, inv_scale: float) -> dict[torch.device, torch.Tensor] | None:
+    def _copy_deferred_grads(self) -> None:
+        """Copy the low gradients into the masters' now where the check left the copy to the step."""
+        if self._grads_deferred:
+            self._grads_deferred = False
+            with torch.no_grad():
+                for group in self._copy_groups():
+                    group.copy_grads_to_masters()
+
+    def _can_defer(self) -> bool:
+        """Whether the gradient copy may wait for the step (plain tensors in one process, no fp32 accumulation)."""
+        if self._fp32_accum or (dist.is_available() and dist.is_initialized()):
+            return False
+        return not any(group.sharded for group in self._copy_groups()) and why_not_chunked(self.optimizer) is None
+
+    def _sync_check_and_unscale_(self, inv_scale: float,
+                                 step_follows: bool = False) -> dict[torch.device, torch.Tensor] | None:
         """Copy the low grads into the masters' and check/unscale each right after its copy; the verdicts per device.
 
         What :class:`~amp_fx.runtime.LossScaler` calls in place of ``_sync_grads_to_masters()`` followed by a check
         of every master gradient: the same kernels and bits, but each gradient is checked while its copy is still
         in cache. None (nothing done) where that path does not apply: already synced this iteration,
         fp32_grad_accumulation (nothing to copy), or torch.distributed (sharded gradients are reduced over ranks).
+
+        ``step_follows`` (the scaler's own check in ``scaler.step``: no user code runs before the step): with
+        nothing to unscale (``inv_scale`` 1) and where the chunked step applies, the low gradients are checked
+        as they are (half the bytes of their fp32 copies; the same verdict, the conversion is exact) and their
+        copy is left to the step, which makes it chunk by chunk (:mod:`~amp_fx.runtime.chunked_step`).
         """
         if self._grads_synced or self._fp32_accum or (dist.is_available() and dist.is_initialized()):
             return None
@@ -302,6 +347,13 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         if any(group.sharded for group in groups):
             return None
         self._grad_marks = None
+        if step_follows and inv_scale == 1.0 and self._can_defer() and \
+                not any(p.grad is not None and p.grad.is_sparse for p, _ in self._pairs):
+            checked_grads = [p.grad for p, _ in self._pairs if p.grad is not None]
+            copied = {id(m) for _, m in self._pairs}
+            checked_grads += [m.grad for m in self.master_parameters() if id(m) not in copied and m.grad is not None]
+            self._grads_synced = self._grads_deferred = True
+            return check_and_unscale_(checked_grads, 1.0)
         found: dict[torch.device, torch.Tensor] = {}
         inverses: dict[torch.device, torch.Tensor] = {}
 
@@ -336,6 +388,7 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         (fp32_grad_accumulation after the user's ``scaler.unscale_``, ``by_unscale``: the step warns once when
         nothing edited the masters, the sign of a clip of ``gm.parameters()`` that found no gradient).
         """
+        self._copy_deferred_grads()  # (amp_fx.scale_loss checks through the scaler's step check, then mirrors)
         self._grads_synced = True
         if self._fp32_accum and by_unscale:
             self._versions_at_unscale = [m.grad._version for m in self.master_parameters() if m.grad is not None]
@@ -345,7 +398,7 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
 
     def _discard_synced_grads(self) -> None:
         """Forget this iteration's sync (the scaler skipped the step; fp32_grad_accumulation: drop the sum too)."""
-        self._grads_synced = False
+        self._grads_synced = self._grads_deferred = False
         self._versions_at_unscale = None
         if self._fp32_accum:
             self._free_master_grads()
@@ -368,22 +421,53 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            self._grads_synced = False
+            self._grads_synced = self._grads_deferred = False
         scaler = self._scaler
         if scaler is not None and not scaler._is_stepping(self):
-            if not scaler._begin_step(self):
+            if not scaler._begin_step(self, step_follows=True):
                 return False
             loss = True
-        self._sync_grads_to_masters()
+        if not self._grads_synced and self._can_defer():
+            self._grads_synced = self._grads_deferred = True  # (no check: the copy waits for the chunks)
+        if not self._grads_deferred:
+            self._sync_grads_to_masters()
         self._warn_if_clip_found_no_low_grads()
-        with fused_sgd_guard(self.optimizer):
-            self.optimizer.step()
-        self._copy_masters_to_module()
+        reason = self._step_chunked()
+        if reason is not None:
+            self._sync_grads_to_masters()  # (a deferred copy happens now)
+            with fused_sgd_guard(self.optimizer):
+                self.optimizer.step()
+            self._copy_masters_to_module()
+        self.last_step_route = "chunked" if reason is None else f"optimizer.step ({reason})"
         if self._fp32_accum:
             self._free_master_grads()  # the next micro-batches start a new sum (and the 4 bytes/param are freed)
-        self._grads_synced = False
+        self._grads_synced = self._grads_deferred = False
         self._grad_epoch += 1
         return loss
+
+    def _step_chunked(self) -> str | None:
+        """Step and copy back chunk by chunk (:mod:`~amp_fx.runtime.chunked_step`); why not (nothing done) or None."""
+        if self._fp32_accum:
+            return "fp32_grad_accumulation"
+        groups = self._copy_groups()
+        if any(group.sharded for group in groups):
+            return "sharded masters"
+        reason = why_not_chunked(self.optimizer)
+        if reason is not None:
+            return reason
+        sources: dict[int, torch.Tensor] = {}
+        if self._grads_deferred:
+            for group in groups:
+                group.grad_sources(sources)
+        written = chunked_step(self.optimizer, sources, self._low_of, self._scratch)
+        if isinstance(written, str):
+            return written  # (step() then copies the deferred gradients and steps the plain way)
+        with torch.no_grad():  # masters without a gradient: their low copy is rewritten too, as by the plain step
+            rest = [(p, m) for g in groups for p, m in zip(g.params, g.masters) if id(m) not in written]
+            if rest:
+                torch._foreach_copy_([p for p, _ in rest], [m for _, m in rest])
+        record(self._sync_entries)
+        return None
 
     def _warn_if_clip_found_no_low_grads(self) -> None:
         """fp32_grad_accumulation: warn once when the user unscaled and then edited no master gradient.

@@ -2,26 +2,17 @@
 
 Where ``foreach`` and ``fused`` are both left unset, torch steps CUDA tensors
 with its foreach implementation but CPU tensors one at a time. For the fp32
-masters of a :class:`~amp_fx.runtime.MasterWeightOptimizer` on CPU this picks,
-per optimizer class, what measured fastest there (6 x 1024x1024 Linear +
-LayerNorm parameters, interleaved rounds, ratio to the one-at-a-time step;
-SGD with momentum 0.9):
-
-=========  =======  ========  =========================================
-optimizer  foreach  fused     chosen
-=========  =======  ========  =========================================
-Adam       1.12     0.26      fused
-AdamW      1.15     0.25      fused
-SGD        0.87     0.55      fused (one pass over memory, not three)
-=========  =======  ========  =========================================
+masters of a :class:`~amp_fx.runtime.MasterWeightOptimizer` on CPU this picks
+``fused`` for Adam, AdamW and SGD: what measured fastest there (SGD: one pass
+over memory, not foreach's three; figures in docs/performance.md, "The lean O2
+update", ``benchmarks/bench_o2_step.py``), and what lets
+:mod:`amp_fx.runtime.chunked_step` step chunk by chunk.
 
 torch's fused SGD kernel runs the foreach step's fp32 operations in one pass;
 on CPU it rounds ``buf * momentum + grad`` once (a fused multiply-add) on the
 elements its vector loop leaves to a scalar tail, where foreach rounds twice,
 so the two may differ by one rounding per step there (bounded in
-``tests/runtime/test_lean_update.py``). Measured in the whole O2 step of the
-benchmark MLP (``benchmarks/bench_o2_step.py --optimizer sgd``): the update
-takes 0.8x the foreach one. The fused kernel needs every parameter of a group
+``tests/runtime/test_lean_update.py``). The fused kernel needs every parameter of a group
 that has a gradient to have a momentum buffer, or none to have one
 (``torch.optim.sgd._fused_sgd`` passes the buffer list to the kernel as is),
 so a parameter that gets its first gradient after the others would make the

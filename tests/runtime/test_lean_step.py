@@ -6,8 +6,9 @@
    choice is kept, also through add_param_group and load_state_dict.
 3. A skipped step (inf/NaN gradient) leaves parameters, masters and optimizer state untouched.
 4. A parameter without a gradient is not touched: no weight decay, no momentum step, no state.
-5. Each direction is one ``torch._foreach_copy_`` per dtype group, also after add_param_group; under a scaler the
-   way in is one copy per gradient, each checked right after its copy.
+5. On the plain route each direction is one ``torch._foreach_copy_`` per dtype group, also after add_param_group;
+   under a scaler the way in is one copy per gradient, each checked right after its copy (the chunked route's
+   calls: tests/runtime/test_chunked_step.py).
 6. The inf/NaN check is one fused kernel call per (device, dtype), finds inf and NaN in bf16 and fp16 gradients,
    unscales as GradScaler's kernel does, and is read once per step; without the kernel a foreach fallback agrees.
 """
@@ -211,14 +212,16 @@ def test_one_copy_per_dtype_group_each_way(monkeypatch):
 
     Under a LossScaler the way in is one copy per gradient, each checked right after its copy (issue 27: while
     it is in cache), and the way out one foreach copy per group; a plain ``mw.step()`` copies in per group too.
+    This is the plain route (``foreach=True``: not the chunked step, which tests/runtime/test_chunked_step.py counts).
     """
-    _, gm, mw, scaler = o2("adamw", torch.bfloat16)
+    _, gm, mw, scaler = o2("adamw", torch.bfloat16, foreach=True)
     x, y = make_batches(1)[0]
     mw.zero_grad()
     backward(gm, scaler, x, y)
     copies = CountCalls(monkeypatch, "_foreach_copy_")
     checks = CountCalls(monkeypatch, "_amp_foreach_non_finite_check_and_unscale_")
     assert scaler.step(mw) is True
+    assert mw.last_step_route == "optimizer.step (a param group is not fused=True (or is capturable/differentiable))"
     assert sorted(copies.lengths) == [4, 6]
     assert checks.lengths == [1] * 10
 
@@ -289,8 +292,11 @@ def test_o2_step_reads_the_verdict_once_and_checks_each_master_grad_once(monkeyp
         assert scaler.step(mw) is True
         scaler.update()
     assert syncs.count == 1
-    # every fp32 master gradient checked once, each right after its copy
-    assert calls.lengths == [1] * len(list(mw.master_parameters()))
+    assert mw.last_step_route == "chunked"
+    if dtype == torch.bfloat16:  # nothing to unscale: the gradients are checked as backward left them, once per dtype
+        assert sorted(calls.lengths) == [4, 6]
+    else:  # every fp32 master gradient checked (and unscaled) once, each right after its copy
+        assert calls.lengths == [1] * len(list(mw.master_parameters()))
 
 
 def test_closure_step_through_the_lean_path():

@@ -17,7 +17,10 @@ def _setup(keep):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.Linear(32, 4))
     gm = amp_fx.convert(model, "O2", dtype=torch.bfloat16)
-    opt = amp_fx.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gm, keep_grad_buffers=keep)
+    # foreach=True: the plain route, which copies the gradients into fp32 buffers (the chunked step, which
+    # MasterWeightOptimizer takes with fused SGD, reads the bf16 gradients through a scratch buffer and keeps none)
+    opt = amp_fx.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, foreach=True), gm,
+                                       keep_grad_buffers=keep)
     return gm, opt
 
 
