@@ -142,6 +142,7 @@ def count_kernels(name: str, args: argparse.Namespace) -> None:
     case = build_case(name, preset=args.preset)
     print(f"{case.description}: inductor's generated code, one training step")
     for side in SIDES:
+        torch._dynamo.reset()  # each side compiles as in a fresh process: no frame compiled for the other is reused
         step = make_step(side, case.model, case.inputs, amp_fx_scaler=False)
         _, codes = run_and_get_code(step)
         for part, code in zip(("forward", "backward", "graph 3", "graph 4"), codes):
