@@ -109,7 +109,7 @@ def time_model(name: str, args: argparse.Namespace) -> None:
         start = time.perf_counter()
         for _ in range(2):
             loss = step()
-        print(f"  warm-up {side}: {time.perf_counter() - start:.1f} s, loss {float(loss):.4f}", flush=True)
+        print(f"  warm-up {side}: {time.perf_counter() - start:.1f} s, loss {float(loss.detach()):.4f}", flush=True)
     times: dict[str, list[float]] = {side: [] for side in SIDES}
     for index in range(args.rounds):
         order = SIDES if index % 2 == 0 else SIDES[::-1]  # neither side always runs right after the other
@@ -118,6 +118,8 @@ def time_model(name: str, args: argparse.Namespace) -> None:
             for _ in range(args.steps):
                 steps[side]()
             times[side].append((clock() - start) / args.steps)
+    report = amp_fx.last_report()
+    print(f"  Dynamo graphs converted by amp_fx: {len(report.graphs) if report is not None else '?'}")
     ratios = [b / a for a, b in zip(times[SIDES[0]], times[SIDES[1]])]
     q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
     scaler = " + amp_fx.LossScaler" if args.amp_fx_scaler else ""
@@ -145,6 +147,9 @@ def count_kernels(name: str, args: argparse.Namespace) -> None:
         torch._dynamo.reset()  # each side compiles as in a fresh process: no frame compiled for the other is reused
         step = make_step(side, case.model, case.inputs, amp_fx_scaler=False)
         _, codes = run_and_get_code(step)
+        if side != "compile+autocast":
+            report = amp_fx.last_report()
+            print(f"  {side:28s} Dynamo graphs converted: {len(report.graphs) if report is not None else '?'}")
         for part, code in zip(("forward", "backward", "graph 3", "graph 4"), codes):
             fused = len(re.findall(r"^cpp_fused_\w+ = ", code, re.M))
             extern = len(re.findall(r"extern_kernels\.\w+\(", code))
