@@ -67,12 +67,15 @@ PRESETS: dict[str, Preset] = {
                                                 "--rounds", "7", "--repeats", "2"),
                            "O2's step on a wide model, where the kept gradient buffers cost most"),
     "convert-time": Preset("bench_convert_time.py", (), "what example inputs cost convert(): a 96-layer encoder with and without"),
-    "compile-step": Preset("compile_step_time.py", (), "step time under torch.compile: fp32, + autocast, backend='amp_fx'"),
     "coverage-figures": Preset("coverage_figures.py", (),
                                "issue 40's figures: share of GEMM FLOPs run low, eager autocast vs the amp_fx backend, "
                                "for models whose graphs break (TransformerEncoder with a mask, LSTMs)"),
     "coverage-figures-before": Preset("coverage_figures.py", ("--before",),
                                       "coverage-figures with amp_fx's eager mode between graphs off (before issue 40)"),
+    "compile-step": Preset("compile_step_time.py", ("--model", "mlp,transformer,gpt", "--clock", "cpu", "--rounds", "9"),
+                           "the compiled route: backend='amp_fx' against compiled autocast, the same step on both sides"),
+    "compile-kernels": Preset("compile_step_time.py", ("--model", "mlp,transformer,gpt", "--preset", "quick", "--kernels"),
+                              "inductor's kernels and buffers for backend='amp_fx' and for compiled autocast, per graph"),
     "gpu-check": Preset("gpu_check.py", (), "one table on one CUDA GPU: O1/O2 vs autocast + GradScaler, fp16/bf16, eager/compiled"),
     "gpu-check-smoke": Preset("gpu_check.py", ("--smoke",), "gpu-check at tiny sizes on CPU (aot_eager): checks the script"),
 }

@@ -35,17 +35,19 @@ and bias gradients as precise as the cast form's against fp64.  Affine
 layer_norm_fp32_stats`: CPU's mixed-dtype forward and input gradient, but
 the weight and bias gradients from the fp32 kernel on the saved low input,
 since CPU's own mixed-dtype backward accumulates them in the low dtype
-(~1-2% relative error on 256x1024 bf16, against 1e-7 for the cast form).
+(far less precise than the cast form).
 It runs under torch.func (``grad``, ``vmap``; see that module).  Only the
 ``F.layer_norm`` / ``torch.layer_norm`` call forms are retargeted (symbolic
 tracing and Dynamo both give them); a leaf ``nn.LayerNorm`` module and
 torch.export's aten ``layer_norm`` / ``native_layer_norm`` keep the cast
 form.  Not fused: norms without weight and bias other than layer_norm (CPU's
-all-low kernel computes their input gradient in the low dtype, 1.5x the cast
-form's error) and ``batch_norm`` (1.17x).  ``softmax``/``log_softmax``/``sum``/``mean``/``cumsum`` with
-``dtype=torch.float32`` cast their input inside the op on CPU (the same
-kernel as amp_fx's cast), and CPU losses on bf16 logits accumulate and
-return in bf16: neither saves anything without losing precision on CPU.
+all-low kernel computes their input gradient in the low dtype, less precise
+than the cast form) and ``batch_norm`` (likewise).  ``softmax``/``log_softmax``/
+``sum``/``mean``/``cumsum`` with ``dtype=torch.float32`` cast their input
+inside the op on CPU (the same kernel as amp_fx's cast), and CPU losses on
+bf16 logits accumulate and return in bf16: neither saves anything without
+losing precision on CPU.  The measured errors and times behind each choice
+are in docs/performance.md ("Fused norms", "Which forms, and why only these").
 """
 
 from __future__ import annotations
@@ -169,7 +171,7 @@ def _fusable(gm: fx.GraphModule, node: fx.Node, ctx: PassContext, values: dict) 
             return None  # a leaf module or an aten form: CPU's own mixed backward would round dx, dw, db low
     elif form.affine_only and not _has_affine(gm, node):
         # Without weight and bias CPU's mixed backward computes the input gradient in the low dtype:
-        # 1.5x the cast form's error against fp64 (group_norm, bf16).
+        # a larger error against fp64 than the cast form's (docs/performance.md, "Fused norms").
         return None
     return low if _read_low(node, low, ctx, values, gm) else None
 

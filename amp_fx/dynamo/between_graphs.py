@@ -168,6 +168,22 @@ def _cast_inputs(args: tuple, kwargs: dict, cast: Callable[[torch.Tensor], torch
     return tuple(one(value) for value in args), {key: one(value) for key, value in kwargs.items()}
 
 
+def _as_dynamo_traces_it(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` while Dynamo traces, spelled so that it traces as it would without the mode.
+
+    A ``Tensor`` method written in Python (``unflatten``, ``split``, ``__rsub__``
+    ...) reaches a torch function mode as that Python function; called as a
+    function, Dynamo inlines its body and breaks the graph on the
+    ``super().unflatten(...)`` inside it.  Called as a method of the tensor (the
+    mode is off the stack here), Dynamo records it as it does with no mode on
+    the stack: the mode never costs the user's model a graph break.
+    """
+    name = getattr(func, "__name__", None)
+    if args and isinstance(args[0], torch.Tensor) and name is not None and getattr(torch.Tensor, name, None) is func:
+        return getattr(args[0], name)(*args[1:], **kwargs)
+    return func(*args, **kwargs)
+
+
 class EagerDecisions(TorchFunctionMode):
     """Give each eager torch call amp_fx's decision (see the module docstring); graphs run with it suspended."""
 
@@ -188,7 +204,7 @@ class EagerDecisions(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # Dynamo traces through the mode: nothing of it enters a graph
-            return func(*args, **kwargs)
+            return _as_dynamo_traces_it(func, args, kwargs)
         if getattr(_STATE, "suspended", 0) or torch._C._current_graph_task_id() != -1:
             # A graph runs (it holds its casts), or autograd runs a backward (a custom Function's Python backward):
             # backward ops follow the dtypes the forward made, as under autocast.

@@ -11,15 +11,16 @@ Backward, two kernels, each the one that is precise for its part:
 - the input gradient from CPU's mixed-dtype ``native_layer_norm_backward``
   (low ``grad`` and input, fp32 statistics and weight): computed in fp32 and
   rounded once to the input's dtype, as the cast form's cast back rounds it
-  (equal to it but for fp32 summation order: a 1-ulp difference in ~3e-5 of
-  the elements on 256x1024 bf16), with no cast at all;
+  (equal to it but for fp32 summation order), with no cast at all;
 - the weight and bias gradients from the fp32 kernel on the fp32 values of
   the low input and gradient (two casts): CPU's mixed kernel accumulates
-  them in the low dtype (~2% relative error on 256x1024 bf16, against 1e-7
-  for the cast form).  The one precise kernel that reads low tensors and
-  accumulates them in fp32, ``native_group_norm_backward`` (one group, one
-  element per channel), made a bf16 MLP step 8% slower than these two
-  casts, so they stay.
+  them in the low dtype, far less precise than the cast form.  The one
+  precise kernel that reads low tensors and accumulates them in fp32,
+  ``native_group_norm_backward`` (one group, one element per channel), costs
+  more than these two casts, so they stay.
+
+The measured errors and times behind these choices are in docs/performance.md
+("Fused norms"); ``tests/passes/test_fuse_precision.py`` asserts the precision.
 
 torch.func: the Function has a ``setup_context`` and a ``vmap`` rule, so
 ``grad``, ``vjp``, ``vmap`` (per-sample gradients) and their compositions
@@ -28,6 +29,13 @@ into the rows (layer_norm normalises the trailing dims only) and this same
 Function runs; with batched weights (model ensembles) it runs the cast form.
 Forward-mode AD (``jvp``, ``jacfwd``) raises an ``AmpNotImplementedError``
 that names the fix: convert with ``fuse_precision=False``.
+
+torch.compile: the Function is no barrier to an inner compiler.  AOTAutograd
+traces it into ``native_layer_norm``, ``native_layer_norm_backward`` and
+``_to_copy`` (aten ops), which inductor decomposes and fuses with their
+neighbours as it does autocast's ``layer_norm`` (``tests/dynamo/
+test_backend_inner_graph.py``; ``benchmarks/compile_step_time.py --kernels``
+compares the generated kernels).
 
 ``passes/fuse_precision`` retargets fused affine ``layer_norm`` nodes to it;
 generated code imports it from here (a registered fx builtin).
@@ -57,8 +65,8 @@ def _affine(x: torch.Tensor, normalized_shape: tuple, weight: Optional[torch.Ten
     """The fp32 weight and bias that select CPU's mixed-dtype kernel: an identity affine where there is none.
 
     Without fp32 weights CPU runs its all-low kernel, whose statistics come back
-    rounded to the low dtype (the backward then reads a rounded rstd: 1.15x the
-    cast form's input-gradient error), and whose input gradient is computed low.
+    rounded to the low dtype (the backward then reads a rounded rstd: a larger
+    input-gradient error than the cast form's), and whose input gradient is computed low.
     """
     if weight is None and bias is None and x.dtype in (torch.bfloat16, torch.float16):
         ones = torch.ones(normalized_shape, dtype=torch.float32, device=x.device)

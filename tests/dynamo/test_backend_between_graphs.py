@@ -486,3 +486,44 @@ def test_policy_op_rule_names_a_custom_function_on_the_backend_route(decision, d
     out.float().sum().backward()
     assert out.dtype == dtype and model.w.grad.dtype == torch.float32
     assert [r.decision for r in be.report.graphs[0].report.nodes if r.op == "MatmulFn"] == [decision]
+
+
+class PythonTensorMethods(nn.Module):
+    """Tensor methods torch writes in Python (``unflatten``, ``split``, ``__rsub__``) between two Linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        heads = self.fc1(x).unflatten(-1, (4, 4))  # Tensor.unflatten ends in super().unflatten(...)
+        first, second = heads.flatten(-2).split(8, dim=-1)
+        return self.fc2(1 - torch.cat([second, first], dim=-1))
+
+
+def test_the_eager_mode_costs_no_graph_break_on_tensor_methods_written_in_python():
+    """Rule: the mode on the stack while Dynamo traces breaks no graph that tracing without it would not break.
+
+    A Python-written Tensor method reaches a torch function mode as a Python
+    function; called as such, Dynamo inlined its ``super().unflatten`` and broke
+    the graph there (an encoder block compiled as two graphs, its qkv output
+    leaving the first in fp32).  One graph, both GEMMs low, as autocast decides.
+    """
+    graphs = []
+
+    def inner(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model, x = PythonTensorMethods(), torch.randn(2, 3, 16)
+    compiled = torch.compile(model, backend=amp_fx.backend(level="O1", dtype=BF16, inner=inner))
+    out = compiled(x)
+    assert len(graphs) == 1
+    report = amp_fx.last_report()
+    assert len(report.graphs) == 1
+    assert not report.breaks
+    assert out.dtype == torch.float32  # the graph's output is cast back as the model's
+    gemms = [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target is torch._C._nn.linear]
+    assert len(gemms) == 2
+    assert all(n.args[0].meta["example_value"].dtype == BF16 for n in gemms)
+    _assert_within_autocast_error(model, compiled, (x,))
