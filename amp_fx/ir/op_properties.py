@@ -212,6 +212,9 @@ _GEMMS: dict[str, GemmSig] = {
     "baddbmm": GemmSig(1, 2, 0, "KN", ("batch1", "batch2", "input"), unit_scalars=("beta", "alpha")),
     "conv1d": _CONV, "conv2d": _CONV, "conv3d": _CONV,
     "convolution": GemmSig(0, 1, 2, "conv", ("input", "weight", "bias"), groups=8, transposed=6),
+    # What passes/fp8_gemms.py makes of a GEMM (amp_fx/graph_ops/fp8_ops.py): pad_gemm, which runs after it,
+    # lists them with the final graph's GEMMs (never pads them: their K and N are multiples of 16 already).
+    "fp8_linear": GemmSig(0, 1, None, "NK", ("x", "weight")), "fp8_matmul": GemmSig(0, 1, None, "KN", ("x", "other")),
 }
 # GEMMs that may run as scaled fp8 GEMMs (amp_fx/ir/fp8_rules.py), each verified against torchao
 # (tests/fp8/test_fp8_torchao.py).  addmm: bias + x @ W, as Hugging Face's Conv1D computes.

@@ -95,9 +95,11 @@ def test_a_custom_nk_gemm_goes_through_decide_cast_pad_fp8_and_runs(registered):
     fp8 = gm.amp_report.passes["fp8_gemms"]
     assert fp8["fp8"] == 1 and [(g["K"], g["N"], g["fp8"]) for g in fp8["gemms"]] == [(16, 32, True), (32, 10, False)]
     assert sorted(r.decision for r in rows) == ["fp8", "low"]
-    # pad (after fp8, which took the first): the second's N=10 is padded to 16 and sliced back, K=32 read as K
+    # pad (after fp8, which took the first and left it aligned): the second's N=10 is padded to 16 and sliced
+    # back, K=32 read as K; the fp8 GEMM is listed, left alone
     pads = gm.amp_report.passes["pad_gemm"]["gemms"]
-    assert [(g["op"], g["K"], g["N"], g["padded"]) for g in pads] == [(OP, 32, 10, [32, 16])], pads
+    assert [(g["op"], g["K"], g["N"], g["padded"]) for g in pads] == [("fp8_linear", 16, 32, None),
+                                                                       (OP, 32, 10, [32, 16])], pads
     # cast: each weight is read once, by its own cast (the fp8 GEMM quantizes w1 from fp32)
     casts = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in ("w1", "w2")]
     assert len(casts) == 2 and all(len(n.users) == 1 for n in casts)
