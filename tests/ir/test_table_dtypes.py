@@ -384,7 +384,7 @@ def test_low_ops_take_low_inputs_beside_fp32_parameters(op, module, inputs, inpu
 
 
 def _one_tensor_follow_calls():
-    """(op, call) for each FOLLOW op torch spells as ``torch.op``, ``F.op`` or ``Tensor.op`` taking ``(x)`` or ``(x, x)``."""
+    """(op, fn, arity) for each FOLLOW op torch spells as ``torch.op``, ``F.op`` or ``Tensor.op`` taking ``(x,) * arity``."""
     from amp_fx.ir.op_keys import op_name_of
     x, calls = r(4, 8), []
     for op in sorted(tables.FOLLOW):
@@ -392,14 +392,15 @@ def _one_tensor_follow_calls():
             fn = getattr(owner, op, None)
             if fn is None or op_name_of(f"{prefix}.{op}") != op:
                 continue
-            for arity in (1, 2):
+            for arity in (1, 2, 3):
                 try:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
                         out = fn(*(x,) * arity)
                 except Exception:
                     continue
-                if isinstance(out, torch.Tensor) and out.dtype == x.dtype:  # a float result: its dtype says the decision
+                # a float result's dtype says the decision; a comparison's bool result is checked by its row only
+                if isinstance(out, torch.Tensor) and out.dtype in (x.dtype, torch.bool):
                     calls.append((op, fn, arity))
                     break
             else:
@@ -424,7 +425,12 @@ def test_follow_ops_without_a_case_are_decided_by_their_row():
     as well, so a deleted row changed no dtype any test read (it changes the report and on_unknown_op's say).
     """
     calls = _one_tensor_follow_calls()
-    assert len({op for op, _, _ in calls}) >= 60, [op for op, _, _ in calls]
+    assert len({op for op, _, _ in calls}) >= 75, [op for op, _, _ in calls]
+    check_follow_calls(calls)
+
+
+def check_follow_calls(calls):
+    """Each call's op decided follow by its row, at O1 with on_unknown_op="error", its low input kept low."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         gm = amp_fx.convert(LowInput(_EveryCall(calls)), "O1", dtype=LOW, cast_model_outputs=False,
@@ -432,4 +438,4 @@ def test_follow_ops_without_a_case_are_decided_by_their_row():
         outs = gm(r(4, 8))
     rows = {r.op: (r.decision, r.rule) for r in gm.amp_report.nodes if r.op in {op for op, _, _ in calls}}
     assert rows == {op: ("follow", "table") for op, _, _ in calls}
-    assert all(out.dtype == LOW for out in outs)
+    assert [out.dtype for out in outs if out.dtype != torch.bool] == [LOW] * sum(out.dtype != torch.bool for out in outs)

@@ -60,6 +60,8 @@ def _checks() -> dict[str, list]:
         for _, module, inputs in entries:
             checks.setdefault(op, []).append(
                 lambda op=op, m=T._with_arity(module, inputs), i=inputs: T.test_follow_ops_keep_their_input_dtype(op, m, i))
+    for op, fn, arity in T._one_tensor_follow_calls():  # test_follow_ops_without_a_case_..., one op at a time
+        checks.setdefault(op, []).append(lambda call=(op, fn, arity): T.check_follow_calls([call]))
     checks["*"] = [T.test_every_table_entry_has_a_case]
     return checks
 
