@@ -4,9 +4,11 @@ At O2 and O3 the converted module owns low-precision copies of the model's
 floating parameters and buffers (``convert`` hands this pass a copy, so the
 user's model keeps its fp32 tensors, which become the fp32 masters at O2).
 Under ``keep_batchnorm_fp32`` the parameters and statistics of
-normalisation ops stay fp32.  Which tensors belong to a norm is read from
-the graph (the tensors a norm node consumes, or the whole leaf module it
-calls), so it works on symbolic and ``torch.export`` graphs alike.
+normalisation ops stay fp32: the ops whose registry row has a ``norm``,
+custom ops ``amp_fx.register_op(..., norm=)`` gave one included.  Which
+tensors belong to a norm is read from the graph (the tensors a norm node
+consumes, or the whole leaf module it calls), so it works on symbolic and
+``torch.export`` graphs alike.
 
 Buffers: ``convert`` hands over a copy whose buffers are the model's own
 tensors (:mod:`amp_fx.converter.buffer_state`), so a buffer is never re-typed in
@@ -27,20 +29,19 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from amp_fx.ir import meta
+from amp_fx.ir import meta, op_properties
 from amp_fx.ir.analysis import alias_root
 from amp_fx.ir.dtype_constants import holds_dtype_extreme
 from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
-from amp_fx.ir.tables import NORM_OPS
 
 __all__ = ["cast_params", "norm_tensor_names"]
 
 
 def norm_tensor_names(gm: fx.GraphModule) -> set[str]:
-    """Names of the parameters and buffers that normalisation ops consume."""
+    """Names of the parameters and buffers that normalisation ops consume (the op registry's ``norm`` rows)."""
     names: set[str] = set()
     for node in gm.graph.nodes:
-        if meta.OP.get(node) not in NORM_OPS:
+        if op_properties.of(meta.OP.get(node)).norm is None:
             continue
         if node.op == "call_module":
             module = gm.get_submodule(str(node.target))

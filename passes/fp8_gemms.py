@@ -319,7 +319,7 @@ def fp8_gemms(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     found = []
     for node in list(gm.graph.nodes):
         gemm = find_gemm(node)
-        if gemm is None:
+        if gemm is None or meta.DECISION.get(node) == "fp8":  # none, or one this pass made fp8 already
             continue
         flops = _flops(gemm)
         total_flops += flops or 0

@@ -24,8 +24,9 @@ GEMM the op registry gives a signature (``linear``, ``matmul``/``mm``/``bmm``,
    users see the original shape and strides, gradients reach the original
    parameters in their original shapes, ``state_dict()`` is untouched.
 
-Stats list every GEMM with its original and padded shape (also as report
-lines).  As in inductor's ``pad_mm.py``, legality and profitability are
+Stats list every GEMM of the final graph with its original and padded shape
+(also as report lines), the fp8 GEMMs ``fp8_gemms`` made before it included
+(left alone: fp8 needs K and N multiples of 16, so they are aligned).  As in inductor's ``pad_mm.py``, legality and profitability are
 separate predicates; unlike it, nothing is benchmarked.
 """
 
@@ -164,6 +165,8 @@ def can_pad(gemm: Gemm, low: torch.dtype, alignment: int) -> tuple[bool, str]:
     node = gemm.node
     if meta.PADDED.get(node):
         return False, "already padded"
+    if meta.DECISION.get(node) == "fp8":  # fp8_gemms made it: _scaled_mm's operands (fp8_rules.ALIGNMENT)
+        return False, "fp8 GEMM (fp8_gemms): K and N are multiples of 16 already"
     if float_dtype(node) != low:
         return False, f"runs in {str(float_dtype(node)).replace('torch.', '')}, not the low dtype"
     if gemm.grouped:

@@ -8,9 +8,9 @@ by, each once, as the set of ops that have it.  :func:`of` gathers them into one
 Adding a built-in op: its table entry in ``tables.py``, then here each property it has.  A
 ``torch.library`` custom op is keyed ``"ns::name"`` (``op_keys`` names it so on every route); a
 library adds its whole row in one call, :func:`register_op` (table, reason, GEMM signature with
-its weight layout, fp8 eligibility, fused norm form).  One listed nowhere is unknown, and
+its weight layout, fp8 eligibility, norm kind, fused norm form).  One listed nowhere is unknown, and
 ``passes/assign_precision.py`` gives it one dtype for its inputs.  Passes read the row
-(``gemm``, ``fp8``, ``fused_form``) and never test an op's name.
+(``gemm``, ``fp8``, ``norm``, ``fused_form``) and never test an op's name.
 
 Rounding.  Two passes let an op run in the low dtype where its result is rounded low anyway,
 which rounds its input instead of its output (``minimize_casts`` moving an fp32 node low,
@@ -53,7 +53,7 @@ from amp_fx.ir import meta, tables
 
 __all__ = ["OpProperties", "FusedForm", "GemmSig", "register_op", "RegisteredOp", "of", "exact_under_rounding",
            "exact_under_rounding_at", "known_ops", "CAST_OPS", "NAMED_CASTS", "FUSED_FORMS", "HOOK_BOUNDARY_OPS",
-           "HOOK_VALUE_OP", "BACKWARD_KINDS", "WEIGHT_LAYOUTS"]
+           "HOOK_VALUE_OP", "BACKWARD_KINDS", "WEIGHT_LAYOUTS", "NORM_KINDS"]
 
 _LOW_DTYPES = frozenset({torch.bfloat16, torch.float16})
 
@@ -212,6 +212,9 @@ _GEMMS: dict[str, GemmSig] = {
     "baddbmm": GemmSig(1, 2, 0, "KN", ("batch1", "batch2", "input"), unit_scalars=("beta", "alpha")),
     "conv1d": _CONV, "conv2d": _CONV, "conv3d": _CONV,
     "convolution": GemmSig(0, 1, 2, "conv", ("input", "weight", "bias"), groups=8, transposed=6),
+    # What passes/fp8_gemms.py makes of a GEMM (amp_fx/graph_ops/fp8_ops.py): pad_gemm, which runs after it,
+    # lists them with the final graph's GEMMs (never pads them: their K and N are multiples of 16 already).
+    "fp8_linear": GemmSig(0, 1, None, "NK", ("x", "weight")), "fp8_matmul": GemmSig(0, 1, None, "KN", ("x", "other")),
 }
 # GEMMs that may run as scaled fp8 GEMMs (amp_fx/ir/fp8_rules.py), each verified against torchao
 # (tests/fp8/test_fp8_torchao.py).  addmm: bias + x @ W, as Hugging Face's Conv1D computes.
@@ -289,9 +292,7 @@ def of(op: Optional[str]) -> OpProperties:
     if op is None:
         return OpProperties(None)
     table = tables.table_of(op)
-    norm = None
-    if op in tables.NORM_OPS:  # batch/instance norm FOLLOW their input (fp32 statistics inside)
-        norm = "input_dtype" if table == "follow" else "statistics"
+    norm = tables.NORMS.get(op)
     return OpProperties(
         name=op, table=table, reason=tables.all_tables()[table][op] if table != "unknown" else "",
         data_movement=op in tables.DATA_MOVEMENT, view=op in _VIEWS,
@@ -363,7 +364,7 @@ class RegisteredOp:
         """Forget every property :func:`register_op` gave the op (its row becomes unknown again)."""
         for rows in tables._rows().values():
             rows.pop(self.op, None)
-        for data in (_GEMMS, _FUSED_FORMS, _WEIGHT_BIAS_ARGS):
+        for data in (_GEMMS, _FUSED_FORMS, _WEIGHT_BIAS_ARGS, tables._norm_rows()):
             data.pop(self.op, None)
         _FP8.discard(self.op)
         _forget()
@@ -388,8 +389,11 @@ def _schema_names(op: str, sig: GemmSig) -> tuple:
                  for p in (sig.activation, sig.weight, sig.bias))
 
 
+NORM_KINDS = {"statistics": "fp32", "input_dtype": "follow"}  # register_op's norm=, and the table each goes with
+
+
 def _check_row(op: str, table: str, reason: str, gemm: Optional[GemmSig], fp8: bool, fused_form: Optional[FusedForm],
-               weight_bias: Optional[tuple]) -> None:
+               weight_bias: Optional[tuple], norm: Optional[str]) -> None:
     if not isinstance(op, str) or op.count("::") != 1 or not all(op.split("::")) \
             or op.split("::")[0] in _TORCH_NAMESPACES:
         raise AmpValueError(f"register_op takes a custom op's qualified name 'namespace::name', as torch.library "
@@ -417,12 +421,20 @@ def _check_row(op: str, table: str, reason: str, gemm: Optional[GemmSig], fp8: b
         if table != "fp32" or weight_bias is None:
             raise AmpValueError(f"register_op({op!r}): a fused form is for an fp32 norm and needs weight_bias="
                                 "(weight position, bias position)")
+    if norm is not None:
+        if norm not in NORM_KINDS:
+            raise AmpValueError(f"register_op({op!r}): norm must be one of {sorted(NORM_KINDS)} (\"statistics\": it "
+                                f"computes mean/variance of its input, like layer_norm; \"input_dtype\": it takes a low "
+                                f"input with fp32 statistics, like batch_norm), got {norm!r}")
+        if table != NORM_KINDS[norm]:
+            raise AmpValueError(f"register_op({op!r}, norm={norm!r}) goes with table={NORM_KINDS[norm]!r} (as "
+                                f"{'layer_norm' if norm == 'statistics' else 'batch_norm'}'s row), got table={table!r}")
 
 
 def register_op(op: str, *, table: str, reason: str, gemm: Optional[GemmSig] = None, fp8: bool = False,
-                fused_form: Optional[FusedForm] = None, weight_bias: Optional[tuple] = None,
+                norm: Optional[str] = None, fused_form: Optional[FusedForm] = None, weight_bias: Optional[tuple] = None,
                 replace: bool = False) -> RegisteredOp:
-    """Give custom op ``"ns::name"`` its whole row: table and reason, GEMM signature, fp8 eligibility, fused norm form.
+    """Give custom op ``"ns::name"`` its whole row: table and reason, GEMM signature, fp8 eligibility, norm kind.
 
     A library calls it beside its ``torch.library`` definition, before converting::
 
@@ -432,11 +444,15 @@ def register_op(op: str, *, table: str, reason: str, gemm: Optional[GemmSig] = N
     ``table``: ``"low"``, ``"fp32"``, ``"promote"``, ``"follow"`` or ``"banned"``; ``gemm``: where its
     operands are and the weight's layout (``pad_gemm`` pads it); ``fp8=True``: it computes
     ``x @ W.T + b`` (``"NK"``) or ``x @ W + b`` (``"KN"``) and nothing else, so ``fp8_gemms`` may
-    run it as a scaled fp8 GEMM; ``fused_form`` with ``weight_bias=(w, b)``: an fp32 norm with
+    run it as a scaled fp8 GEMM; ``norm``: a normalisation, whose parameters and buffers stay fp32 under
+    ``keep_batchnorm_fp32`` (O2's default), ``"statistics"`` with ``table="fp32"`` (it computes mean and
+    variance of its input: fp32 at every level, as ``layer_norm``) or ``"input_dtype"`` with
+    ``table="follow"`` (it takes a low input with fp32 statistics and parameters, as ``batch_norm``);
+    ``fused_form`` with ``weight_bias=(w, b)``: an fp32 norm with
     a verified mixed-dtype kernel (``fuse_precision``).  An op that has a row already is refused
     unless ``replace=True``.  Returns a handle whose ``remove()`` takes the row out.
     """
-    _check_row(op, table, reason, gemm, fp8, fused_form, weight_bias)
+    _check_row(op, table, reason, gemm, fp8, fused_form, weight_bias, norm)
     if not replace and (tables.table_of(op) != "unknown" or op in _GEMMS):
         raise AmpValueError(f"register_op: {op!r} has a row already ({tables.table_of(op)}); pass replace=True to "
                             "replace it")
@@ -446,6 +462,8 @@ def register_op(op: str, *, table: str, reason: str, gemm: Optional[GemmSig] = N
         _GEMMS[op] = gemm if any(gemm.names) else dataclasses.replace(gemm, names=_schema_names(op, gemm))
     if fp8:
         _FP8.add(op)
+    if norm is not None:
+        tables._norm_rows()[op] = norm
     if fused_form is not None:
         _FUSED_FORMS[op] = fused_form
         _WEIGHT_BIAS_ARGS[op] = tuple(weight_bias)

@@ -25,6 +25,7 @@ __all__ = [
     "FOLLOW",
     "BANNED",
     "NORM_OPS",
+    "NORMS",
     "FACTORIES",
     "DATA_MOVEMENT",
     "LOSSES",
@@ -271,12 +272,17 @@ BANNED: Mapping[str, str] = MappingProxyType(_BANNED_ROWS)
 CUSTOM_OPS: frozenset[str] = frozenset(
     op for table in (LOW, FP32, PROMOTE, FOLLOW, BANNED) for op in table if "::" in op)
 
-# Normalisation ops whose parameters stay fp32 under keep_batchnorm_fp32 and
-# which run fp32 at O2.  batch_norm follows its input at O1 (cuDNN and oneDNN
-# accept low-precision input with fp32 statistics, as Apex relied on).
-NORM_OPS: frozenset[str] = frozenset({
-    "batch_norm", "instance_norm", "layer_norm", "group_norm", "rms_norm",
-})
+# Normalisation ops: their parameters (and running statistics) stay fp32 under keep_batchnorm_fp32.  By
+# what they take at O2/O3: "statistics" ops compute mean and variance from their input, so they run fp32
+# under keep_batchnorm_fp32 (and are in FP32 at O1); "input_dtype" ops follow their input (in FOLLOW at
+# O1): cuDNN and oneDNN take low-precision input with fp32 statistics, as Apex relied on.
+# amp_fx.register_op(..., norm=) adds a library's norm here.
+_NORM_ROWS: dict[str, str] = {
+    **dict.fromkeys(("layer_norm", "group_norm", "rms_norm"), "statistics"),
+    **dict.fromkeys(("batch_norm", "instance_norm"), "input_dtype"),
+}
+NORMS: Mapping[str, str] = MappingProxyType(_NORM_ROWS)
+NORM_OPS = NORMS.keys()  # a live view: a registered norm is in it
 
 LOW_PRECISION_DTYPES = ("float16", "bfloat16")
 
@@ -284,6 +290,11 @@ LOW_PRECISION_DTYPES = ("float16", "bfloat16")
 def _rows() -> dict[str, dict[str, str]]:
     """The tables' own dicts, by category: only :func:`amp_fx.ir.op_properties.register_op` writes into them."""
     return {"low": _LOW_ROWS, "fp32": _FP32_ROWS, "promote": _PROMOTE_ROWS, "banned": _BANNED_ROWS, "follow": _FOLLOW_ROWS}
+
+
+def _norm_rows() -> dict[str, str]:
+    """The norms' own dict (op -> "statistics" | "input_dtype"): only ``register_op`` writes into it."""
+    return _NORM_ROWS
 
 
 def all_tables() -> dict[str, Mapping[str, str]]:

@@ -77,6 +77,18 @@ def _relative(got, want):
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+def test_a_norm_row_is_read_by_the_registry_and_removed_with_it():
+    """register_op(norm=) writes the norm kind every reader asks (of(op).norm, tables.NORM_OPS); remove() forgets it."""
+    op = "amp_fx_test::row_norm"
+    handle = amp_fx.register_op(op, table="follow", reason="a test library's batch norm", norm="input_dtype")
+    try:
+        assert (op_properties.of(op).norm, op_properties.of(op).table) == ("input_dtype", "follow")
+        assert op in tables.NORM_OPS and tables.NORMS[op] == "input_dtype"
+    finally:
+        handle.remove()
+    assert op_properties.of(op).norm is None and op not in tables.NORM_OPS and len(tables.NORM_OPS) == 5
+
+
 def test_the_row_holds_every_fact(registered):
     row = op_properties.of(OP)
     assert (row.table, row.fp8, row.gemm.weight_layout) == ("low", True, "NK")
@@ -95,9 +107,11 @@ def test_a_custom_nk_gemm_goes_through_decide_cast_pad_fp8_and_runs(registered):
     fp8 = gm.amp_report.passes["fp8_gemms"]
     assert fp8["fp8"] == 1 and [(g["K"], g["N"], g["fp8"]) for g in fp8["gemms"]] == [(16, 32, True), (32, 10, False)]
     assert sorted(r.decision for r in rows) == ["fp8", "low"]
-    # pad (after fp8, which took the first): the second's N=10 is padded to 16 and sliced back, K=32 read as K
+    # pad (after fp8, which took the first and left it aligned): the second's N=10 is padded to 16 and sliced
+    # back, K=32 read as K; the fp8 GEMM is listed, left alone
     pads = gm.amp_report.passes["pad_gemm"]["gemms"]
-    assert [(g["op"], g["K"], g["N"], g["padded"]) for g in pads] == [(OP, 32, 10, [32, 16])], pads
+    assert [(g["op"], g["K"], g["N"], g["padded"]) for g in pads] == [("fp8_linear", 16, 32, None),
+                                                                       (OP, 32, 10, [32, 16])], pads
     # cast: each weight is read once, by its own cast (the fp8 GEMM quantizes w1 from fp32)
     casts = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in ("w1", "w2")]
     assert len(casts) == 2 and all(len(n.users) == 1 for n in casts)
@@ -139,6 +153,9 @@ def test_a_registered_op_with_no_row_for_fp8_is_padded_but_not_fp8():
     ({"gemm": amp_fx.GemmSig(0, 1, 2, "conv")}, "fp8=True) needs gemm"),
     ({"gemm": amp_fx.GemmSig(0, 1, 2, "MK")}, "weight_layout must be one of"),
     ({"op": "transformers::grouped_mm_fallback"}, "has a row already"),
+    ({"table": "fp32", "gemm": None, "fp8": False, "norm": "batch"}, "norm must be one of"),
+    ({"table": "fp32", "gemm": None, "fp8": False, "norm": "input_dtype"}, "goes with table='follow'"),
+    ({"table": "follow", "gemm": None, "fp8": False, "norm": "statistics"}, "goes with table='fp32'"),
 ])
 def test_a_wrong_registration_is_refused_naming_the_fix(kwargs, error):
     args = {"op": OP, "table": "low", "reason": "GEMM", "gemm": amp_fx.GemmSig(0, 1, 2, "NK"), "fp8": True, **kwargs}

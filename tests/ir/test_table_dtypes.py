@@ -336,7 +336,8 @@ def test_promote_ops_run_in_the_widest_input_dtype(op, fn):
 @pytest.mark.parametrize("op, module, inputs", _flat(follow_cases()))
 def test_follow_ops_keep_their_input_dtype(op, module, inputs):
     fp32 = amp_fx.convert(module, "O1", dtype=LOW, cast_model_outputs=False)
-    assert op in {r.op for r in fp32.amp_report.nodes if r.decision == "follow"}
+    # decided by its FOLLOW row (rule "table"), not as an unknown op, which follows too but is counted unknown
+    assert op in {r.op for r in fp32.amp_report.nodes if r.decision == "follow" and r.rule == "table"}
     assert _first_tensor(fp32(*inputs)).dtype == torch.float32
     low = amp_fx.convert(LowInput(module), "O1", dtype=LOW, cast_model_outputs=False)
     assert _first_tensor(low(*inputs)).dtype == LOW
@@ -380,3 +381,61 @@ def test_low_ops_take_low_inputs_beside_fp32_parameters(op, module, inputs, inpu
     gm = amp_fx.convert(module, "O1", dtype=LOW, cast_model_outputs=False, example_inputs=low_inputs)
     assert op in {r.op for r in gm.amp_report.nodes if r.decision == "low"}
     assert _first_tensor(gm(*low_inputs)).dtype == LOW
+
+
+def _one_tensor_follow_calls():
+    """(op, fn, arity) for each FOLLOW op torch spells as ``torch.op``, ``F.op`` or ``Tensor.op`` taking ``(x,) * arity``."""
+    from amp_fx.ir.op_keys import op_name_of
+    x, calls = r(4, 8), []
+    for op in sorted(tables.FOLLOW):
+        for owner, prefix in ((torch, "torch"), (F, "torch.nn.functional"), (torch.Tensor, "torch.Tensor")):
+            fn = getattr(owner, op, None)
+            if fn is None or op_name_of(f"{prefix}.{op}") != op:
+                continue
+            for arity in (1, 2, 3):
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        out = fn(*(x,) * arity)
+                except Exception:
+                    continue
+                # a float result's dtype says the decision; a comparison's bool result is checked by its row only
+                if isinstance(out, torch.Tensor) and out.dtype in (x.dtype, torch.bool):
+                    calls.append((op, fn, arity))
+                    break
+            else:
+                continue
+            break
+    return calls
+
+
+class _EveryCall(nn.Module):
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+
+    def forward(self, x):
+        return tuple(fn(*(x,) * arity) for _, fn, arity in self.calls)
+
+
+def test_follow_ops_without_a_case_are_decided_by_their_row():
+    """FOLLOW ops with no case of their own, called in one model: each decided by its row, not as an unknown op.
+
+    Mutation testing (tools/mutation/mutate_tables.py) deleted FOLLOW rows one at a time: an unknown op follows
+    as well, so a deleted row changed no dtype any test read (it changes the report and on_unknown_op's say).
+    """
+    calls = _one_tensor_follow_calls()
+    assert len({op for op, _, _ in calls}) >= 75, [op for op, _, _ in calls]
+    check_follow_calls(calls)
+
+
+def check_follow_calls(calls):
+    """Each call's op decided follow by its row, at O1 with on_unknown_op="error", its low input kept low."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = amp_fx.convert(LowInput(_EveryCall(calls)), "O1", dtype=LOW, cast_model_outputs=False,
+                            on_unknown_op="error")
+        outs = gm(r(4, 8))
+    rows = {r.op: (r.decision, r.rule) for r in gm.amp_report.nodes if r.op in {op for op, _, _ in calls}}
+    assert rows == {op: ("follow", "table") for op, _, _ in calls}
+    assert [out.dtype for out in outs if out.dtype != torch.bool] == [LOW] * sum(out.dtype != torch.bool for out in outs)

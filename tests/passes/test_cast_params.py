@@ -5,6 +5,7 @@ must say so), asserts a second run casts nothing, and with ``finish=True``
 compares the finished module's outputs and gradients with the fp32 model's.
 """
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -108,3 +109,76 @@ def test_a_buffer_written_in_place_keeps_its_dtype_and_every_name_of_a_tie_is_re
     converted = amp_fx.convert(WritesBuffers(), "O2")
     assert converted.amp_report.passes["cast_params"]["kept_written"] == ["ema"]
     assert set(converted.amp_fx_source_dtypes) == {"fc.weight", "fc.bias", "out.weight", "out.bias", "scale"}
+
+
+# A library's own norm, as torch.library defines it: mean/variance of its input in fp32, then an affine map with
+# parameters and a (running) buffer.  Its decomposition gives autograd.
+_LIB = torch.library.Library("amp_fx_test_cp", "DEF")
+_LIB.define("scale_norm(Tensor x, Tensor weight, Tensor bias, Tensor running_scale) -> Tensor")
+
+
+def _scale_norm(x, weight, bias, running_scale):
+    wide = x.float()
+    normed = (wide - wide.mean(-1, keepdim=True)) * torch.rsqrt(wide.var(-1, unbiased=False, keepdim=True) + 1e-5)
+    return (normed * running_scale.float() * weight.float() + bias.float()).to(x.dtype)
+
+
+_LIB.impl("scale_norm", _scale_norm, "CompositeImplicitAutograd")
+CUSTOM_NORM = "amp_fx_test_cp::scale_norm"
+
+
+class ScaleNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(1 + torch.randn(D) / 8)
+        self.bias = nn.Parameter(torch.randn(D) / 8)
+        self.register_buffer("running_scale", 1 + torch.rand(D) / 4)
+
+    def forward(self, x):
+        return torch.ops.amp_fx_test_cp.scale_norm(x, self.weight, self.bias, self.running_scale)
+
+
+class CustomNormNet(nn.Module):
+    """A Linear, the custom norm, a BatchNorm beside it for comparison, a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm, self.bn, self.out = nn.Linear(D, D), ScaleNorm(), nn.BatchNorm1d(D), nn.Linear(D, 2)
+
+    def forward(self, x):
+        return self.out(self.bn(self.norm(self.fc(x))).relu())
+
+
+@pytest.mark.parametrize("kind, table, decision", [("statistics", "fp32", "fp32"), ("input_dtype", "follow", "follow")])
+def test_a_registered_custom_norm_keeps_its_tensors_fp32_at_o2_like_batchnorm(kind, table, decision):
+    """One register_op call makes a torch.library norm's parameters and buffer stay fp32 under keep_batchnorm_fp32."""
+    torch.manual_seed(0)
+    model, x = CustomNormNet().eval(), torch.randn(4, D)
+    norm_tensors = {"norm.weight", "norm.bias", "norm.running_scale"}
+    with pytest.warns(amp_fx.AmpWarning, match="scale_norm"):  # unregistered: a guess, and its tensors go low
+        unregistered = amp_fx.convert(model, "O2", keep_batchnorm_fp32=True, example_inputs=(x,))
+    assert {_dtypes(unregistered)[n] for n in norm_tensors} == {torch.bfloat16}
+    handle = amp_fx.register_op(CUSTOM_NORM, table=table, reason="a test library's norm", norm=kind)
+    try:
+        gm = amp_fx.convert(model, "O2", keep_batchnorm_fp32=True, example_inputs=(x,))
+        off = amp_fx.convert(model, "O2", keep_batchnorm_fp32=False, example_inputs=(x,))
+    finally:
+        handle.remove()
+    dtypes = _dtypes(gm)
+    kept = {n for n, d in dtypes.items() if d == torch.float32}
+    assert kept == norm_tensors | {"bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"}, dtypes
+    assert {d for n, d in dtypes.items() if n.startswith(("fc.", "out."))} == {torch.bfloat16}
+    assert {_dtypes(off)[n] for n in norm_tensors} == {torch.bfloat16}  # keep_batchnorm_fp32=False: low, as bn's
+    row = next(r for r in gm.amp_report.nodes if r.op == CUSTOM_NORM)
+    assert row.decision == decision, row
+    # It runs, forward and backward, near the fp32 model; the kept parameters get fp32 gradients.
+    out = gm(x)
+    want = model(x)
+    assert out.dtype == torch.float32 and (out - want).abs().max() < 0.1
+    out.square().sum().backward()
+    want.square().sum().backward()
+    grads = dict(gm.named_parameters())
+    for name, param in model.named_parameters():
+        got = grads[name].grad
+        assert got is not None and got.dtype == dtypes[name], name
+        assert ((got.float() - param.grad).norm() / param.grad.norm()) < 0.05, name

@@ -154,6 +154,11 @@ def test_hand_built_graph_reaches_the_optimum(factory, greedy, optimal, moved):
     stats, _ = check(fx.symbolic_trace(model), example, moved=moved)
     assert stats["cast_bytes_greedy"] == greedy * CAST
     assert stats["cast_bytes_min_cut"] == optimal * CAST
+    # The cut's own cost model counts the same casts but the weights' (not free to move): byte for byte.
+    # (Mutation testing: cost() was only ever compared with itself, so an offset or a dropped term survived.)
+    weights = sum(p.numel() for p in model.parameters())
+    assert (stats["model_bytes_greedy"], stats["model_bytes_min_cut"]) == ((greedy - weights) * CAST,
+                                                                           (optimal - weights) * CAST)
     # The conversion's own report agrees, and minimize_casts=False keeps the greedy casts.
     assert _measured(model, example, True).amp_report.cast_bytes == optimal * CAST
     assert _measured(model, example, False).amp_report.cast_bytes == greedy * CAST

@@ -296,3 +296,40 @@ def test_padded_module_pickles_deepcopies_and_compiles():
         assert sum(1 for n in clone.graph.nodes if n.op == "call_function" and n.target.__name__ == "unpad") == 2
     compiled = torch.compile(padded, backend="aot_eager")
     torch.testing.assert_close(compiled(x), expected, rtol=0, atol=0)
+
+
+class Fp8AndOdd(nn.Module):
+    """x @ W.T and h @ V, both fp8-eligible (K and N multiples of 16), then an odd head pad_gemm pads."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 64)
+        self.v = nn.Parameter(torch.randn(64, 48) * 0.1)
+        self.head = nn.Linear(48, 10)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc(x)) @ self.v)
+
+
+def test_stats_after_fp8_describe_the_final_graphs_gemms():
+    """pad_gemm runs after fp8_gemms: its stats list the fp8 GEMMs it leaves alone beside the one it pads.
+
+    (They were missing: an fp8 GEMM's op is fp8_linear / fp8_matmul, which had no GEMM row.)
+    """
+    fp8 = amp_fx.Fp8Config(recipe="tensorwise", size_rule="all")
+    x = torch.randn(16, 32)
+    torch.manual_seed(0)
+    model = Fp8AndOdd()
+    padded = amp_fx.convert(model, "O1", fp8=fp8, pad_gemm=True, example_inputs=(x,))
+    stats = padded.amp_report.passes["pad_gemm"]
+    rows = {g["node"]: (g["op"], g["K"], g["N"], g["padded"]) for g in stats["gemms"]}
+    final = {n.name for n in padded.graph.nodes if find_gemm(n) is not None}
+    assert len(stats["gemms"]) == len(final) == 3 and set(rows) == final
+    assert sorted(rows.values(), key=str) == sorted([("fp8_linear", 32, 64, None), ("fp8_matmul", 64, 48, None),
+                                                     ("linear", 48, 10, [48, 16])], key=str)
+    assert stats["padded"] == 1
+    assert sum("fp8 GEMM (fp8_gemms)" in g["why"] for g in stats["gemms"]) == 2
+    assert padded.amp_report.passes["fp8_gemms"]["fp8"] == 2  # fp8_gemms saw the two, pad_gemm lists them after
+    plain = amp_fx.convert(model, "O1", fp8=fp8, pad_gemm=False, example_inputs=(x,))
+    with ExactGemms():  # the padded head and the unpadded one: one exact kernel on both sides
+        torch.testing.assert_close(padded(x), plain(x), rtol=0, atol=0)
