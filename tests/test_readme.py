@@ -60,7 +60,7 @@ def test_the_readme_has_its_two_setup_commands_near_the_top():
     commands = re.findall(r"```bash\n(.*?)\n```", text, flags=re.S)
     assert commands[:2] == [
         "python -m pip install torch==2.13.0 && python -m pip install -e . && python examples/quickstart.py",
-        'python -m pip install torch==2.13.0 && python -m pip install -e ".[test]" && python -m pytest -q',
+        'python -m pip install torch==2.13.0 && python -m pip install -e ".[test]" && python -m pytest -q -n auto --dist loadfile',
     ]
     assert text.index(commands[1]) < 2000
 
