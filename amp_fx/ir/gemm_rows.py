@@ -27,7 +27,8 @@ import torch
 
 from amp_fx.errors import AmpValueError
 
-__all__ = ["op_schema", "check_op_name", "check_gemm_schema", "check_gemm_shapes", "gemm_flops"]
+__all__ = ["op_schema", "op_packet", "check_op_name", "check_gemm_schema", "check_gemm_shapes", "gemm_flops",
+           "flop_formula"]
 
 _TORCH_NAMESPACES = ("aten", "prim", "prims", "quantized", "_quant")
 
@@ -42,6 +43,15 @@ def op_schema(op: str) -> Optional[Any]:
     namespace, _, name = op.partition("::")
     try:
         return getattr(getattr(torch.ops, namespace), name).default._schema
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def op_packet(op: str) -> Optional[Any]:
+    """``torch.ops.ns.name`` (the overload packet a dispatch mode sees) of ``"ns::name"``, or None while not loaded."""
+    namespace, _, name = op.partition("::")
+    try:
+        return getattr(getattr(torch.ops, namespace), name)
     except (AttributeError, RuntimeError):
         return None
 
@@ -181,3 +191,14 @@ def gemm_flops(sig: Any, w_shape: tuple, out_shape: tuple) -> int:
     for size in out_shape:
         points *= size
     return 2 * points * k
+
+
+def flop_formula(sig: Any):
+    """A ``FlopCounterMode`` formula for a registered GEMM row: called with shapes, ``out_shape=`` its result's."""
+    def formula(*args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        names = tuple(sig.names) + (None,) * 3
+        weight = args[sig.weight] if len(args) > sig.weight else kwargs.get(names[1])
+        if weight is None or not isinstance(out_shape, (tuple, torch.Size)):
+            return 0
+        return gemm_flops(sig, tuple(weight), tuple(out_shape))
+    return formula

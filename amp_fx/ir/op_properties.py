@@ -52,7 +52,7 @@ from amp_fx.errors import AmpTypeError, AmpValueError, AmpWarning
 from amp_fx.graph_ops.fused_norms import layer_norm_fp32_stats
 from amp_fx.ir import gemm_rows, meta, tables
 
-__all__ = ["OpProperties", "FusedForm", "GemmSig", "register_op", "RegisteredOp", "of", "exact_under_rounding",
+__all__ = ["OpProperties", "FusedForm", "GemmSig", "register_op", "RegisteredOp", "registered_gemms", "of", "exact_under_rounding",
            "exact_under_rounding_at", "known_ops", "CAST_OPS", "NAMED_CASTS", "FUSED_FORMS", "HOOK_BOUNDARY_OPS",
            "HOOK_VALUE_OP", "BACKWARD_KINDS", "WEIGHT_LAYOUTS", "NORM_KINDS"]
 
@@ -407,6 +407,11 @@ def _put_row(op: str, row: dict) -> None:
             data[op] = row[key]
     if row["fp8"]:
         _FP8.add(op)
+
+
+def registered_gemms() -> dict:
+    """{"ns::name": GemmSig} of every custom op with a GEMM row (FLOP counts read them: torch sees no GEMM inside)."""
+    return {op: sig for op, sig in _GEMMS.items() if "::" in op}
 
 
 def _forget() -> None:
