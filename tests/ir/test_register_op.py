@@ -249,3 +249,34 @@ def test_a_misspelt_op_in_a_loaded_namespace_is_refused_with_close_matches():
     with pytest.raises(amp_fx.AmpValueError, match="Did you mean 'amp_fx_test::nk_gemm'"):
         amp_fx.register_op("amp_fx_test::nk_gemn", table="low", reason="GEMM")
     assert op_properties.of("amp_fx_test::nk_gemn").table == "unknown"
+
+
+@torch.library.custom_op("amp_fx_test_ac::scale", mutates_args=())
+def _autocast_scale(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x * weight
+
+
+_autocast_scale.register_fake(lambda x, weight: torch.empty_like(x))
+torch.library.register_autocast("amp_fx_test_ac::scale", "cpu", torch.bfloat16)
+
+
+def test_a_register_autocast_rule_wins_over_the_row_and_register_op_warns():
+    """The op's own autocast rule decides it, as under torch.autocast; register_op says so instead of going unheard."""
+    op = "amp_fx_test_ac::scale"
+    with pytest.warns(amp_fx.AmpWarning, match="its own autocast rule .*AutocastCPU.*policy="):
+        handle = amp_fx.register_op(op, table="fp32", reason="a test library's op, kept fp32")
+
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return torch.ops.amp_fx_test_ac.scale(x, self.weight)
+
+    try:
+        gm = amp_fx.convert(Scale(), "O1", dtype=torch.bfloat16, example_inputs=(torch.randn(2, 4),))
+    finally:
+        handle.remove()
+    row = next(r for r in gm.amp_report.nodes if r.op == op)
+    assert (row.decision, row.rule) == ("low", "declared"), row
