@@ -120,7 +120,8 @@ class Summary:
             of = "" if self.fp8_candidates is None else f" of {self.fp8_candidates}"
             lines.append(f"  fp8 GEMMs: {self.fp8_gemms}{of}{share}")
         if self.unknown_ops:
-            lines.append(f"  ops in no table (they followed their input): {self.unknown_ops}")
+            lines.append(f"  ops in no table (decided by the level or on_unknown_op, a custom op by its inputs' "
+                         f"dtypes: the report's rows say how): {self.unknown_ops}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 

@@ -473,7 +473,7 @@ def _check_row(op: str, table: str, reason: str, gemm: Optional[GemmSig], fp8: b
                                 f"{'layer_norm' if norm == 'statistics' else 'batch_norm'}'s row), got table={table!r}")
 
 
-def register_op(op: str, *, table: str, reason: str, gemm: Optional[GemmSig] = None, fp8: bool = False,
+def register_op(op: str, *, table: Optional[str] = None, reason: Optional[str] = None, gemm: Optional[GemmSig] = None, fp8: bool = False,
                 norm: Optional[str] = None, fused_form: Optional[FusedForm] = None, weight_bias: Optional[tuple] = None,
                 replace: bool = False) -> RegisteredOp:
     """Give custom op ``"ns::name"`` its whole row: table and reason, GEMM signature, fp8 eligibility, norm kind.

@@ -148,6 +148,8 @@ def test_a_registered_op_with_no_row_for_fp8_is_padded_but_not_fp8():
     ({"op": "aten::mm"}, "namespace::name"),
     ({"table": "lowest"}, "table must be one of"),
     ({"reason": ""}, "reason"),
+    ({"reason": None}, "give the one-line reason"),  # left out: an AmpValueError, not Python's TypeError
+    ({"table": None}, "table must be one of"),
     ({"table": "fp32"}, "'low' table"),
     ({"gemm": None}, "fp8=True) needs gemm"),
     ({"gemm": amp_fx.GemmSig(0, 1, 2, "conv")}, "fp8=True) needs gemm"),
@@ -166,6 +168,7 @@ def test_a_registered_op_with_no_row_for_fp8_is_padded_but_not_fp8():
 ])
 def test_a_wrong_registration_is_refused_naming_the_fix(kwargs, error):
     args = {"op": OP, "table": "low", "reason": "GEMM", "gemm": amp_fx.GemmSig(0, 1, 2, "NK"), "fp8": True, **kwargs}
+    args = {key: value for key, value in args.items() if value is not None or key not in ("table", "reason")}
     with pytest.raises(amp_fx.AmpValueError, match=error.replace("(", r"\(").replace(")", r"\)")):
         amp_fx.register_op(args.pop("op"), **args)
     assert op_properties.of(OP).table == "unknown"
