@@ -492,7 +492,11 @@ def register_op(op: str, *, table: Optional[str] = None, reason: Optional[str] =
     ``table="follow"`` (it takes a low input with fp32 statistics and parameters, as ``batch_norm``);
     ``fused_form`` with ``weight_bias=(w, b)``: an fp32 norm with
     a verified mixed-dtype kernel (``fuse_precision``).  An op that has a row already is refused
-    unless ``replace=True``.  Returns a handle whose ``remove()`` takes the row out.
+    unless ``replace=True``.  Returns a handle whose ``remove()`` takes the row out (restoring the one it
+    replaced).  The name and ``gemm`` are checked against the op torch defines, here when torch has
+    loaded its namespace, and ``gemm``'s layout against each call's shapes at convert
+    (:mod:`amp_fx.ir.gemm_rows`); an op with a ``torch.library.register_autocast`` rule is warned
+    about: that rule decides it on its device.
     """
     _check_row(op, table, reason, gemm, fp8, fused_form, weight_bias, norm)
     if tables.table_of(op) == "unknown":  # a shipped row may name an op whose library is not loaded
