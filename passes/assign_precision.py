@@ -307,8 +307,8 @@ def _respect_model_casts(node: fx.Node, decision: str, reason: str, rule: str, w
         wide.add(node)  # a .to(device) of a full-precision value
         return decision, reason, rule
     # GEMMs, convolutions, norms and leaf modules run with their (low) parameters: they stay low.
-    with_params = meta.OP.get(node) in tables.LOW or meta.OP.get(node) in tables.NORM_OPS \
-        or node.op == "call_module"
+    row = op_properties.of(meta.OP.get(node))
+    with_params = row.table == "low" or row.norm is not None or node.op == "call_module"
     if reads_asserted and rule == "level" and decision in ("low", "follow") and not with_params:
         decision, reason, rule = "fp32", f"{ctx.config.level}: the model casts this input to full precision", "model"
         wide.add(node)

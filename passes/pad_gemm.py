@@ -41,7 +41,8 @@ import torch
 import torch.fx as fx
 from torch.fx import Proxy
 
-from amp_fx.ir import meta, op_properties
+from amp_fx.ir import gemm_rows, meta, op_properties
+from amp_fx.ir.op_keys import is_custom_op
 from amp_fx.ir.cast_nodes import cast_source, cast_target, is_inserted_cast
 from amp_fx.ir.pass_manager import PassContext, PassResult, amp_pass
 from amp_fx.ir.meta import float_dtype
@@ -127,6 +128,15 @@ def _arg(node: fx.Node, index: int, name: str) -> Any:
     return node.args[index] if len(node.args) > index else node.kwargs.get(name)
 
 
+def _check_registered_row(op: str, sig: op_properties.GemmSig, node: fx.Node, act: Any, weight: Any,
+                          bias: Any) -> None:
+    gemm_rows.check_gemm_schema(op, sig)  # registered before torch knew the op: checked now
+    module = meta.MODULE_PATH.get(node)
+    where = f"{node.name!r}" + (f" in module {module!r}" if module else "") + \
+        (f" at {meta.SOURCE.get(node)}" if meta.SOURCE.get(node) else "")
+    gemm_rows.check_gemm_shapes(op, sig, where, _shape(act), _shape(weight), _shape(bias), _shape(node))
+
+
 def find_gemm(node: fx.Node) -> Optional[Gemm]:
     """The :class:`Gemm` view of ``node``, or None when it is no GEMM this pass knows."""
     op = meta.OP.get(node)
@@ -134,6 +144,8 @@ def find_gemm(node: fx.Node) -> Optional[Gemm]:
     if sig is None or node.op not in ("call_function", "call_method"):
         return None
     act, weight, bias = (None if pos is None else _arg(node, pos, name) for pos, name in sig.operands())
+    if is_custom_op(op):  # a register_op row: refuse one that does not fit the op's schema or this call's shapes
+        _check_registered_row(op, sig, node, act, weight, bias)
     known = {name for _, name in sig.operands()} | set(sig.unit_scalars)
     extra = len(node.args) > sig.arity or any(key not in known for key in node.kwargs)
     gemm = Gemm(node, op, act, weight, bias, layout=sig.weight_layout, extra_args=extra)

@@ -28,10 +28,11 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from amp_fx.errors import AmpTypeError
 from amp_fx.graph_ops.outer_autocast import no_outer_autocast
+from amp_fx.ir import gemm_rows, op_properties
 
 __all__ = ["Coverage", "GemmCounter", "coverage"]
 
@@ -78,6 +79,10 @@ def _trilinear_flops(args: tuple, kwargs: dict, out: Any) -> int:
     return 2 * points
 
 
+def _shape_of(value: Any) -> Any:
+    return value.shape if isinstance(value, torch.Tensor) else value
+
+
 def _formulas() -> dict:
     from torch.utils.flop_counter import flop_registry
 
@@ -96,6 +101,11 @@ def _formulas() -> dict:
         packet = getattr(torch.ops.aten, name, None)
         if packet is not None and packet not in formulas:
             formulas[packet] = formula
+    for op, sig in op_properties.registered_gemms().items():  # register_op GEMMs: opaque to torch's counter
+        packet, formula = gemm_rows.op_packet(op), gemm_rows.flop_formula(sig)
+        if packet is not None:
+            formulas[packet] = lambda args, kwargs, out, _formula=formula: _formula(
+                *tree_map(_shape_of, args), out_shape=_shape_of(out), **tree_map(_shape_of, kwargs))
     rnn_layer = getattr(torch.ops.aten, "mkldnn_rnn_layer", None)
     if rnn_layer is not None:
         formulas[rnn_layer] = _lstm_layer_flops

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from amp_fx.ir import meta
+from amp_fx.ir import gemm_rows, meta, op_properties
 from amp_fx.ir.cast_nodes import is_inserted_cast
 from amp_fx.inspection.values import plain_containers
 from amp_fx.converter.report import ConversionReport, build_report
@@ -120,7 +120,8 @@ class Summary:
             of = "" if self.fp8_candidates is None else f" of {self.fp8_candidates}"
             lines.append(f"  fp8 GEMMs: {self.fp8_gemms}{of}{share}")
         if self.unknown_ops:
-            lines.append(f"  ops in no table (they followed their input): {self.unknown_ops}")
+            lines.append(f"  ops in no table (decided by the level or on_unknown_op, a custom op by its inputs' "
+                         f"dtypes: the report's rows say how): {self.unknown_ops}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -172,6 +173,13 @@ class _Measure(fx.Interpreter):
         return result
 
 
+def _registered_gemm_formulas() -> dict:
+    """FLOP formulas of register_op GEMMs (torch's counter sees a custom op, not the GEMM inside it)."""
+    packets = {op: gemm_rows.op_packet(op) for op in op_properties.registered_gemms()}
+    return {packet: gemm_rows.flop_formula(op_properties.registered_gemms()[op])
+            for op, packet in packets.items() if packet is not None}
+
+
 def _measure(gm: fx.GraphModule, inputs: Optional[Sequence[Any]], out: Summary) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
@@ -182,7 +190,7 @@ def _measure(gm: fx.GraphModule, inputs: Optional[Sequence[Any]], out: Summary) 
             args = list(inputs) if inputs is not None else _inputs_from_meta(gm)
             if args is None:
                 return
-            counter = FlopCounterMode(display=False)
+            counter = FlopCounterMode(display=False, custom_mapping=_registered_gemm_formulas())
             interpreter = _Measure(gm, counter)
             with counter:
                 interpreter.run(*args)

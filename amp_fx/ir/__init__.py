@@ -3,7 +3,8 @@
 Reading order: :mod:`~amp_fx.ir.meta` (every ``node.meta`` key, with typed
 accessors), :mod:`~amp_fx.ir.op_keys` and :mod:`~amp_fx.ir.tables` (canonical
 op names and what runs low or fp32, with reasons), :mod:`~amp_fx.ir.op_properties`
-(everything else a pass asks about an op: views, rounding, GEMMs, casts, ...),
+(everything else a pass asks about an op: views, rounding, GEMMs, casts, ...; a library's
+row checked against its op by :mod:`~amp_fx.ir.gemm_rows`),
 :mod:`~amp_fx.ir.analysis`
 (every value's dtype, shape and aliasing in the rewritten program; with
 :mod:`~amp_fx.ir.fake_calls` and :mod:`~amp_fx.ir.aliasing`),

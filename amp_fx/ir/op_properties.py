@@ -37,6 +37,7 @@ the passes' old lists disagreed, and why the registry answers as it does, is sho
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from types import MappingProxyType
@@ -47,11 +48,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.node import map_arg
 
-from amp_fx.errors import AmpTypeError, AmpValueError
+from amp_fx.errors import AmpTypeError, AmpValueError, AmpWarning
 from amp_fx.graph_ops.fused_norms import layer_norm_fp32_stats
-from amp_fx.ir import meta, tables
+from amp_fx.ir import gemm_rows, meta, tables
 
-__all__ = ["OpProperties", "FusedForm", "GemmSig", "register_op", "RegisteredOp", "of", "exact_under_rounding",
+__all__ = ["OpProperties", "FusedForm", "GemmSig", "register_op", "RegisteredOp", "registered_gemms", "of", "exact_under_rounding",
            "exact_under_rounding_at", "known_ops", "CAST_OPS", "NAMED_CASTS", "FUSED_FORMS", "HOOK_BOUNDARY_OPS",
            "HOOK_VALUE_OP", "BACKWARD_KINDS", "WEIGHT_LAYOUTS", "NORM_KINDS"]
 
@@ -352,25 +353,65 @@ _TORCH_NAMESPACES = ("aten", "prim", "prims", "quantized", "_quant")
 
 
 class RegisteredOp:
-    """What :func:`register_op` returns: ``remove()`` takes the row out again (tests; a library reloading).
+    """What :func:`register_op` returns: ``remove()`` takes its registration out again (tests; a library reloading).
 
-    A shipped row that ``replace=True`` replaced is not restored: the op becomes unknown.
+    Registrations of one op stack: ``remove()`` of the current one restores the row it replaced
+    (a shipped row, or an earlier registration's); removing one that is no longer current (a later
+    ``replace=True`` registration stands over it, or it was removed already) is refused, so a stale
+    handle never takes out another registration's row.
     """
 
-    def __init__(self, op: str):
+    def __init__(self, op: str, replaced: Optional[dict]):
         self.op = op
+        self._replaced = replaced  # the row this registration replaced (None: the op had none)
 
     def remove(self) -> None:
-        """Forget every property :func:`register_op` gave the op (its row becomes unknown again)."""
-        for rows in tables._rows().values():
-            rows.pop(self.op, None)
-        for data in (_GEMMS, _FUSED_FORMS, _WEIGHT_BIAS_ARGS, tables._norm_rows()):
-            data.pop(self.op, None)
-        _FP8.discard(self.op)
+        """Take this registration's row out and restore the row it replaced (none: the op becomes unknown)."""
+        stack = _REGISTRATIONS.get(self.op, [])
+        if not stack or stack[-1] is not self:
+            state = "a later registration replaced it; remove that one first" if self in stack else "removed already"
+            raise AmpValueError(f"{self!r}.remove(): this registration is not the op's current row ({state})")
+        stack.pop()
+        if not stack:
+            del _REGISTRATIONS[self.op]
+        _take_row(self.op)
+        if self._replaced is not None:
+            _put_row(self.op, self._replaced)
         _forget()
 
     def __repr__(self) -> str:
         return f"RegisteredOp({self.op!r})"
+
+
+_REGISTRATIONS: dict[str, list] = {}  # op -> its registrations, the current one last
+
+
+def _take_row(op: str) -> Optional[dict]:
+    """Remove every property of ``op`` from the tables and registries; return them (None: it had none)."""
+    row = {"tables": {name: rows.pop(op) for name, rows in tables._rows().items() if op in rows},
+           "fp8": op in _FP8}
+    for key, data in (("gemm", _GEMMS), ("fused_form", _FUSED_FORMS), ("weight_bias", _WEIGHT_BIAS_ARGS),
+                      ("norm", tables._norm_rows())):
+        if op in data:
+            row[key] = data.pop(op)
+    _FP8.discard(op)
+    return row if len(row) > 2 or row["tables"] or row["fp8"] else None
+
+
+def _put_row(op: str, row: dict) -> None:
+    for name, reason in row["tables"].items():
+        tables._rows()[name][op] = reason
+    for key, data in (("gemm", _GEMMS), ("fused_form", _FUSED_FORMS), ("weight_bias", _WEIGHT_BIAS_ARGS),
+                      ("norm", tables._norm_rows())):
+        if key in row:
+            data[op] = row[key]
+    if row["fp8"]:
+        _FP8.add(op)
+
+
+def registered_gemms() -> dict:
+    """{"ns::name": GemmSig} of every custom op with a GEMM row (FLOP counts read them: torch sees no GEMM inside)."""
+    return {op: sig for op, sig in _GEMMS.items() if "::" in op}
 
 
 def _forget() -> None:
@@ -378,15 +419,16 @@ def _forget() -> None:
     known_ops.cache_clear()
 
 
-def _schema_names(op: str, sig: GemmSig) -> tuple:
-    """The keyword names of ``sig``'s three operands, read off the op's schema when torch knows the op."""
-    namespace, _, name = op.partition("::")
-    try:
-        arguments = getattr(getattr(torch.ops, namespace), name).default._schema.arguments
-    except (AttributeError, RuntimeError):
-        return sig.names
-    return tuple(arguments[p].name if p is not None and p < len(arguments) else None
-                 for p in (sig.activation, sig.weight, sig.bias))
+def _warn_autocast_rule(op: str, table: str) -> None:
+    """Warn that a ``torch.library.register_autocast`` rule of ``op`` decides it, not the row's table."""
+    keys = [key for key in ("AutocastCPU", "AutocastCUDA", "AutocastXPU", "AutocastMPS")
+            if gemm_rows.op_schema(op) is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op, key)]
+    if keys:
+        warnings.warn(f"register_op({op!r}, table={table!r}): the op has its own autocast rule "
+                      f"(torch.library.register_autocast: {', '.join(keys)}), which decides its precision on "
+                      f"that device as under torch.autocast; the row's table applies on other devices, its other "
+                      f"facts (gemm, fp8, norm) everywhere. To decide it yourself: policy={{'op:{op}': ...}}",
+                      AmpWarning, stacklevel=3)
 
 
 NORM_KINDS = {"statistics": "fp32", "input_dtype": "follow"}  # register_op's norm=, and the table each goes with
@@ -431,7 +473,7 @@ def _check_row(op: str, table: str, reason: str, gemm: Optional[GemmSig], fp8: b
                                 f"{'layer_norm' if norm == 'statistics' else 'batch_norm'}'s row), got table={table!r}")
 
 
-def register_op(op: str, *, table: str, reason: str, gemm: Optional[GemmSig] = None, fp8: bool = False,
+def register_op(op: str, *, table: Optional[str] = None, reason: Optional[str] = None, gemm: Optional[GemmSig] = None, fp8: bool = False,
                 norm: Optional[str] = None, fused_form: Optional[FusedForm] = None, weight_bias: Optional[tuple] = None,
                 replace: bool = False) -> RegisteredOp:
     """Give custom op ``"ns::name"`` its whole row: table and reason, GEMM signature, fp8 eligibility, norm kind.
@@ -450,16 +492,24 @@ def register_op(op: str, *, table: str, reason: str, gemm: Optional[GemmSig] = N
     ``table="follow"`` (it takes a low input with fp32 statistics and parameters, as ``batch_norm``);
     ``fused_form`` with ``weight_bias=(w, b)``: an fp32 norm with
     a verified mixed-dtype kernel (``fuse_precision``).  An op that has a row already is refused
-    unless ``replace=True``.  Returns a handle whose ``remove()`` takes the row out.
+    unless ``replace=True``.  Returns a handle whose ``remove()`` takes the row out (restoring the one it
+    replaced).  The name and ``gemm`` are checked against the op torch defines, here when torch has
+    loaded its namespace, and ``gemm``'s layout against each call's shapes at convert
+    (:mod:`amp_fx.ir.gemm_rows`); an op with a ``torch.library.register_autocast`` rule is warned
+    about: that rule decides it on its device.
     """
     _check_row(op, table, reason, gemm, fp8, fused_form, weight_bias, norm)
+    if tables.table_of(op) == "unknown":  # a shipped row may name an op whose library is not loaded
+        gemm_rows.check_op_name(op)
+    names = gemm_rows.check_gemm_schema(op, gemm) if gemm is not None else None
+    _warn_autocast_rule(op, table)
     if not replace and (tables.table_of(op) != "unknown" or op in _GEMMS):
         raise AmpValueError(f"register_op: {op!r} has a row already ({tables.table_of(op)}); pass replace=True to "
                             "replace it")
-    RegisteredOp(op).remove()
+    replaced = _take_row(op)
     tables._rows()[table][op] = reason
     if gemm is not None:
-        _GEMMS[op] = gemm if any(gemm.names) else dataclasses.replace(gemm, names=_schema_names(op, gemm))
+        _GEMMS[op] = dataclasses.replace(gemm, names=names)
     if fp8:
         _FP8.add(op)
     if norm is not None:
@@ -468,4 +518,6 @@ def register_op(op: str, *, table: str, reason: str, gemm: Optional[GemmSig] = N
         _FUSED_FORMS[op] = fused_form
         _WEIGHT_BIAS_ARGS[op] = tuple(weight_bias)
     _forget()
-    return RegisteredOp(op)
+    handle = RegisteredOp(op, replaced)
+    _REGISTRATIONS.setdefault(op, []).append(handle)
+    return handle

@@ -129,3 +129,38 @@ def test_backward_runs_outside_the_callers_autocast_as_in_training():
     assert cov.by_op == counter.coverage.by_op
     # b's input gradient (3x4 @ 4x16) and weight gradient (4x3 @ 3x16) in fp32: x needs no grad, a's weight grad is bf16.
     assert cov.by_op[("mm", "float32")] == 2 * 3 * 4 * 16 + 2 * 4 * 3 * 16
+
+
+@torch.library.custom_op("amp_fx_test_flops::kn_gemm", mutates_args=())
+def _kn_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight``, weight (K, N): a GEMM torch's FLOP counter sees only as an opaque custom op."""
+    return x @ weight
+
+
+@_kn_gemm.register_fake
+def _(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[1])
+
+
+class _RegisteredGemm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(16, 24))
+
+    def forward(self, x):
+        return torch.ops.amp_fx_test_flops.kn_gemm(x, self.weight)
+
+
+def test_coverage_and_summary_count_a_registered_gemms_flops():
+    """A register_op GEMM row gives its FLOPs (2 M K N) to coverage and summary, as linear's are counted."""
+    handle = amp_fx.register_op("amp_fx_test_flops::kn_gemm", table="low", reason="GEMM: x @ W",
+                                gemm=amp_fx.GemmSig(activation=0, weight=1, weight_layout="KN"))
+    try:
+        x = torch.randn(8, 16)
+        converted = amp_fx.convert(_RegisteredGemm(), "O1", dtype=torch.bfloat16, example_inputs=(x,))
+        flops = 2 * 8 * 16 * 24
+        assert amp_fx.coverage(converted, x).flops == {"bfloat16": flops}
+        assert amp_fx.summary(converted, (x,)).gemm_flops == {"bfloat16": flops}
+    finally:
+        handle.remove()
+    assert amp_fx.coverage(_RegisteredGemm(), x).flops == {}  # no row: torch sees no GEMM inside
