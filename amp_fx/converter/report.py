@@ -145,7 +145,7 @@ class ConversionReport:
             + (f", {t['cast_bytes_per_forward']} cast bytes per forward" if t["cast_bytes_per_forward"] is not None else ""),
         ]
         if t["unknown_ops"]:
-            lines.append(f"  unknown ops (followed their input): {t['unknown_ops']}")
+            lines.append(f"  unknown ops (in no table: decided by the level or on_unknown_op; each row says how): {t['unknown_ops']}")
         lines.extend(f"  note: {n}" for n in self.notes)
         # A pass may add lines of its own (minimize_casts' cast bytes, pad_gemm's shapes).
         lines.extend(f"  {name}: {line}" for name, stats in self.passes.items() for line in stats.get("report_lines", ()))
