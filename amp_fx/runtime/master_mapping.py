@@ -88,6 +88,9 @@ class MasterMapping:
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (module param, master)
         self._groups: list[CopyGroup] | None = None  # _pairs by (device, dtypes); None: regroup
         self._old_groups: list[CopyGroup] | None = None  # the groups before a regroup (their kept buffers)
+        # The module's parameters this wrapper holds no master for, and (len(_params), len(_masters)) then.
+        self._unheld: list[tuple[str, torch.Tensor]] = []
+        self._unheld_key: tuple[int, int] | None = None
 
     def _master_for(self, param: torch.Tensor, adopt: bool = False) -> torch.Tensor:
         """Return the master that stands for ``param`` (a module parameter or a master).
@@ -158,7 +161,11 @@ class MasterMapping:
         head); a parameter that none of them holds would train silently never. Only parameters this wrapper does
         not hold are looked at, and only when one has a gradient are the module's other wrappers asked.
         """
-        unheld = [(n, p) for n, p in self._params.items() if n not in self._masters and p.grad is not None]
+        key = (len(self._params), len(self._masters))  # (both only grow: add_param_group)
+        if self._unheld_key != key:
+            self._unheld_key = key
+            self._unheld = [(n, p) for n, p in self._params.items() if n not in self._masters]
+        unheld = [(n, p) for n, p in self._unheld if p.grad is not None]
         if not unheld:
             return
         held = {id(p) for opt in _MAPPINGS_OVER.get(self.module, ()) for n, p in opt._params.items()

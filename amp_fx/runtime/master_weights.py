@@ -429,8 +429,9 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
             args: tuple[Any, ...] = (self,) if closure is None else (self, closure)
             kwargs: dict[str, Any] = {}
-            checked = False
+            checked = prepared = False
             if closure is None and has_user_step_hooks(self, pre_only=True):
+                prepared = True
                 checked = self._scaler is not None and not self._scaler._is_stepping(self)
                 if checked and not self._scaler._begin_step(self):
                     return False
@@ -444,6 +445,8 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
                             f"the step pre-hook {hook!r} returned {result!r}: a step pre-hook must return None or a "
                             "tuple (new_args, new_kwargs), as for any torch optimizer.")
                     args, kwargs = result
+            if prepared and self._fp32_accum:
+                self._refuse_low_grads_from_hooks()
             out = self._step(*args[1:], _checked=checked, **kwargs)
             self._optimizer_step_code()
             for hook in chain(self._optimizer_step_post_hooks.values(),
@@ -458,6 +461,16 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         """Give a pre-hook of the user's the masters' true gradients, mirrored into the low ones and watched."""
         self._sync_grads_to_masters()  # (already synced: edits made since the user's unscale_ are carried over)
         self._mirror_master_grads(write=True)
+
+    def _refuse_low_grads_from_hooks(self) -> None:
+        """fp32_grad_accumulation: refuse low gradients a pre-hook set (the masters' are the gradients there)."""
+        named = [self._names[id(param)] for param, _ in self._pairs if param.grad is not None]
+        if named:
+            raise AmpValueError(
+                f"a step pre-hook set gradients of the module's low-precision parameters {named}, but with "
+                "fp32_grad_accumulation=True the fp32 masters' gradients are what is stepped (each low gradient was "
+                "added into its master's and freed), so the edit would be lost. Edit the masters' gradients in the "
+                "hook instead: amp_fx.master_params(optimizer) (optimizer.master_parameters()).")
 
     def _step(self, closure: Callable[[], Any] | None = None, _checked: bool = False) -> Any:
         """:meth:`step` within its hooks; ``_checked``: the scaler's verdict was taken already (step it)."""

@@ -117,3 +117,26 @@ def test_skipped_step_runs_no_wrapper_hook_when_the_wrapper_holds_the_scaler():
     opt.zero_grad()
     scaler.scale(F.cross_entropy(gm(x), y)).backward()
     assert opt.step() is True and calls == ["pre", "post"]
+
+
+def test_low_gradient_set_by_a_hook_under_fp32_grad_accumulation_is_refused():
+    """There the low gradients are freed into the masters': a hook's low gradient could not be carried over."""
+    torch.manual_seed(0)
+    model = Net()
+    gm = amp_fx.convert(model, "O2", dtype=torch.bfloat16)
+    opt = amp_fx.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gm, fp32_grad_accumulation=True)
+
+    def set_low(o, args, kwargs):
+        gm.b.bias.grad = torch.zeros_like(gm.b.bias)
+
+    handle = opt.register_step_pre_hook(set_low)
+    x, y = DATA[0]
+    F.cross_entropy(gm(x), y).backward()
+    with pytest.raises(amp_fx.AmpValueError, match=r"\['b.bias'\].*amp_fx.master_params"):
+        opt.step()
+    handle.remove()
+    gm.b.bias.grad = None
+    seen = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append(sum(p.grad is not None for p in amp_fx.master_params(o))))
+    opt.step()
+    assert seen == [4]
