@@ -430,6 +430,8 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
             args: tuple[Any, ...] = (self,) if closure is None else (self, closure)
             kwargs: dict[str, Any] = {}
             checked = prepared = False
+            if closure is None:
+                self._refuse_uncovered_grads()  # (before anything is checked, copied or hooked)
             if closure is None and has_user_step_hooks(self, pre_only=True):
                 prepared = True
                 checked = self._scaler is not None and not self._scaler._is_stepping(self)
@@ -474,12 +476,12 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
 
     def _step(self, closure: Callable[[], Any] | None = None, _checked: bool = False) -> Any:
         """:meth:`step` within its hooks; ``_checked``: the scaler's verdict was taken already (step it)."""
-        self._refuse_uncovered_grads()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
             self._grads_synced = self._grads_deferred = False
+            self._refuse_uncovered_grads()
         scaler = self._scaler
         if _checked:
             loss = True
