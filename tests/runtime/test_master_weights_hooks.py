@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import amp_fx
 
@@ -44,20 +45,30 @@ def train(gm, opt, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_wrapper_hook_sees_the_true_master_gradients_on_the_plain_route(dtype):
     seen = {}
-    for where in ("wrapper", "inner"):  # a hook on the inner optimizer always saw the masters' gradients
+    for where in ("inner", "wrapper", "global"):  # a hook on the inner optimizer always saw the masters' gradients
         model, gm, opt = build(dtype, momentum=0.9)
-        target = opt if where == "wrapper" else opt.optimizer
         grads = []
-        target.register_step_pre_hook(lambda o, a, k: grads.append([p.grad.clone() for p in model.parameters()
-                                                                    if p.grad is not None]))
-        train(gm, opt, dtype)
+
+        def hook(o, args, kwargs):
+            if o is not opt.optimizer or where == "inner":  # (a global hook runs for both: count the wrapper's)
+                grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+
+        if where == "global":
+            handle = register_optimizer_step_pre_hook(hook)
+        else:
+            handle = (opt if where == "wrapper" else opt.optimizer).register_step_pre_hook(hook)
+        try:
+            train(gm, opt, dtype)
+        finally:
+            handle.remove()
         assert opt.last_step_route.startswith("optimizer.step (")
         assert len(grads) == 2 and all(len(g) == 4 for g in grads)
-        seen[where] = (grads, [p.detach().clone() for p in model.parameters()])
-    for mine, theirs in zip(seen["wrapper"][0][-1], seen["inner"][0][-1]):
-        assert torch.equal(mine, theirs)  # the same unscaled fp32 gradients, bit for bit
-    for mine, theirs in zip(seen["wrapper"][1], seen["inner"][1]):
-        assert torch.equal(mine, theirs)
+        seen[where] = (grads[-1], [p.detach().clone() for p in model.parameters()])
+    for where in ("wrapper", "global"):
+        for mine, theirs in zip(seen[where][0], seen["inner"][0]):
+            assert torch.equal(mine, theirs)  # the same unscaled fp32 gradients, bit for bit
+        for mine, theirs in zip(seen[where][1], seen["inner"][1]):
+            assert torch.equal(mine, theirs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
