@@ -31,7 +31,7 @@ from torch.optim import optimizer as torch_optimizer
 from amp_fx.converter.step_guard import _refuse_plain_step
 from amp_fx.graph_ops.cast_cache import _after_step
 
-__all__ = ["CHUNK_BYTES", "why_not_chunked", "chunked_step"]
+__all__ = ["CHUNK_BYTES", "why_not_chunked", "chunked_step", "has_user_step_hooks"]
 
 # Masters per chunk, in bytes: small tensors (biases, norms) share a chunk, a large one is cut into slices of
 # this size. A chunk's working set (SGD: low gradient, fp32 scratch gradient, master, momentum, low copy: 5 MiB)
@@ -54,6 +54,14 @@ def _post_hooks(optimizer: torch.optim.Optimizer) -> list[Callable[..., Any]]:
                       torch_optimizer._global_optimizer_post_hooks.values()))
 
 
+def has_user_step_hooks(optimizer: torch.optim.Optimizer, pre_only: bool = False) -> bool:
+    """Whether a step hook other than amp_fx's own runs around ``optimizer.step`` (its own tables, or a global one).
+
+    ``pre_only``: pre-hooks only (what reads or edits the gradients before the update)."""
+    hooks = _pre_hooks(optimizer) if pre_only else chain(_pre_hooks(optimizer), _post_hooks(optimizer))
+    return any(hook not in _KNOWN_HOOKS for hook in hooks)
+
+
 def _instance_step_ok(optimizer: torch.optim.Optimizer) -> bool:
     """``optimizer.step`` is its class's, or an LR scheduler's wrapper of it (which only sets a flag)."""
     patched = optimizer.__dict__.get("step")
@@ -67,7 +75,7 @@ def why_not_chunked(optimizer: torch.optim.Optimizer) -> str | None:
     """Why the chunked step does not apply to ``optimizer`` (None: it does), before looking at gradients."""
     if type(optimizer) not in _CLASSES:
         return f"{type(optimizer).__name__} is not exactly SGD, Adam or AdamW"
-    if any(hook not in _KNOWN_HOOKS for hook in chain(_pre_hooks(optimizer), _post_hooks(optimizer))):
+    if has_user_step_hooks(optimizer):
         return "an optimizer step hook is registered"
     if not _instance_step_ok(optimizer):
         return "optimizer.step was replaced on the instance"

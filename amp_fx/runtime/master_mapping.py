@@ -8,6 +8,7 @@ full master is cut to this rank's shard.  The refusals of modules that need no m
 
 from __future__ import annotations
 
+import weakref
 from typing import Mapping
 
 import torch
@@ -24,6 +25,10 @@ from .master_copies import CopyGroup
 __all__ = ["LOW", "MasterMapping", "check_fp32_accumulation", "check_module"]
 
 LOW = (torch.float16, torch.bfloat16)
+
+# module -> the MasterWeightOptimizers built over it (weakly held): torch's "several optimizers" recipe splits one
+# module's parameters between them, and a step refuses a gradient that none of them would apply.
+_MAPPINGS_OVER: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[MasterMapping]]" = weakref.WeakKeyDictionary()
 
 
 def check_module(module: nn.Module) -> None:
@@ -83,6 +88,9 @@ class MasterMapping:
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (module param, master)
         self._groups: list[CopyGroup] | None = None  # _pairs by (device, dtypes); None: regroup
         self._old_groups: list[CopyGroup] | None = None  # the groups before a regroup (their kept buffers)
+        # The module's parameters this wrapper holds no master for, and (len(_params), len(_masters)) then.
+        self._unheld: list[tuple[str, torch.Tensor]] = []
+        self._unheld_key: tuple[int, int] | None = None
 
     def _master_for(self, param: torch.Tensor, adopt: bool = False) -> torch.Tensor:
         """Return the master that stands for ``param`` (a module parameter or a master).
@@ -141,6 +149,34 @@ class MasterMapping:
             self._given[name] = master
             self._given_ids[id(master)] = name
         return self._master_for(module_param)
+
+    def _register_over(self, module: nn.Module) -> None:
+        """Count this wrapper among those that hold parameters of ``module`` (:meth:`_refuse_uncovered_grads`)."""
+        _MAPPINGS_OVER.setdefault(module, weakref.WeakSet()).add(self)
+
+    def _refuse_uncovered_grads(self) -> None:
+        """Refuse a gradient on a module parameter that no MasterWeightOptimizer over the module would apply.
+
+        Several optimizers may split one module's parameters (torch's recipe: SGD for the body, AdamW for the
+        head); a parameter that none of them holds would train silently never. Only parameters this wrapper does
+        not hold are looked at, and only when one has a gradient are the module's other wrappers asked.
+        """
+        key = (len(self._params), len(self._masters))  # (both only grow: add_param_group)
+        if self._unheld_key != key:
+            self._unheld_key = key
+            self._unheld = [(n, p) for n, p in self._params.items() if n not in self._masters]
+        unheld = [(n, p) for n, p in self._unheld if p.grad is not None]
+        if not unheld:
+            return
+        held = {id(p) for opt in _MAPPINGS_OVER.get(self.module, ()) for n, p in opt._params.items()
+                if n in opt._masters}
+        missing = [n for n, p in unheld if id(p) not in held]
+        if missing:
+            raise AmpValueError(
+                f"module parameters {missing} have gradients but no MasterWeightOptimizer over this module holds "
+                "them, so they would never be updated: build another MasterWeightOptimizer over them (one optimizer "
+                "per part of the model works), add them with add_param_group() to one of them, or set "
+                "requires_grad=False on them.")
 
     def _move_state_to_masters(self) -> None:
         # An optimizer that already stepped the module's parameters keeps that

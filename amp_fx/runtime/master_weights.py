@@ -37,7 +37,9 @@ tensor at a time there; see :mod:`amp_fx.runtime.step_impl`); pass
 (``mw.last_step_route`` says which, and why not the first):
 
 * **chunked** (:mod:`amp_fx.runtime.chunked_step`: fused SGD/Adam/AdamW, CPU
-  fp32 masters, no step hook of the user's): chunk by chunk of about 2 MiB of
+  fp32 masters, no step hook of the user's on this wrapper, on the wrapped
+  optimizer or global; see :meth:`MasterWeightOptimizer.step` for what a
+  wrapper's hook sees): chunk by chunk of about 2 MiB of
   masters, the chunk's gradients are copied to fp32, torch's fused kernel
   steps it and its masters are copied into the module, while all of it is in
   cache; bit for bit the plain route. Where nothing was copied before the step
@@ -83,6 +85,7 @@ Which master stands for which parameter (given, copied, adopted, sharded) is
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any, Callable, Iterator, Mapping
 
 import warnings
@@ -90,6 +93,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import optimizer as torch_optimizer
 
 from amp_fx.graph_ops.master_sync import record, writers
 from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer, check_inner_optimizer
@@ -97,13 +101,13 @@ from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer, check_inner_optim
 from . import fp32_grad_accumulation as fp32_accum
 from . import grad_edits
 from .dtensors import is_dtensor, local_tensor, refuse_replaced_params
-from .chunked_step import chunked_step, why_not_chunked
+from .chunked_step import chunked_step, has_user_step_hooks, why_not_chunked
 from .master_copies import CopyGroup, group_pairs
 from .master_mapping import MasterMapping, check_fp32_accumulation, check_module
 from .overflow import check_and_unscale_, grads_of
 from .modules import unwrap_compiled
 from .step_impl import fused_sgd_guard, prefer_fast_step
-from amp_fx.errors import AmpKeyError, AmpValueError, AmpWarning, checks_keywords
+from amp_fx.errors import AmpKeyError, AmpRuntimeError, AmpValueError, AmpWarning, checks_keywords
 
 __all__ = ["MasterWeightOptimizer", "NoLowGradientsWarning"]
 
@@ -121,7 +125,9 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
     Args:
         optimizer: built over the fp32 masters, or over the module's own
             parameters (its entries are then swapped for the masters, group
-            options kept, as Apex did).
+            options kept, as Apex did): all of them, or a part where other
+            MasterWeightOptimizers over the module hold the rest (a gradient
+            none holds is refused at the step).
         module: the module that runs (or ``torch.compile`` of it); its
             fp16/bf16 parameters get masters, other parameters (fp32 norms)
             are their own masters. A module converted at O0/O1, or one with no
@@ -200,27 +206,21 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         self._warned_no_low_grads = False
         self._map_parameters(module, masters)
 
-        # Map everything first and swap last: a refused optimizer is left untouched.
+        # Map everything first and swap last: a refused optimizer is left untouched. The optimizer may hold a
+        # part of the module's parameters (another optimizer the rest): a step refuses a gradient none applies.
         swapped = [[self._master_for(p) for p in g["params"]] for g in optimizer.param_groups]
-        missing = [
-            n for n, p in self._params.items() if p.requires_grad and n not in self._masters
-        ]
-        if missing:
-            raise AmpValueError(
-                f"module parameters {missing} are in no param group of the optimizer, so "
-                "they would never be updated; build the optimizer over all of the module's "
-                "(or the masters') parameters, add them with add_param_group(), or set "
-                "requires_grad=False on them."
-            )
         for group, params in zip(optimizer.param_groups, swapped):
             group["params"] = params
         self._move_state_to_masters()
         prefer_fast_step(optimizer)
         self._claim_grads()
+        self._register_over(module)
         if any(is_dtensor(p) for p in self._params.values()) and getattr(module, "amp_fx_masters", None):
-            # The full fp32 originals must not stay referenced from the module: the
-            # masters are now this rank's shards.
-            module.amp_fx_masters = dict(self._masters)
+            # The full fp32 originals must not stay referenced from the module: the masters are now
+            # this rank's shards (the originals of trainable parameters another wrapper may hold stay).
+            others = {n: m for n, m in module.amp_fx_masters.items()
+                      if n not in self._masters and n in self._params and self._params[n].requires_grad}
+            module.amp_fx_masters = {**others, **self._masters}
 
     # ------------------------------------------------ the optimizer's face
 
@@ -323,7 +323,7 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
 
     def _can_defer(self) -> bool:
         """Whether the gradient copy may wait for the step (plain tensors in one process, no fp32 accumulation)."""
-        if self._fp32_accum or (dist.is_available() and dist.is_initialized()):
+        if self._fp32_accum or (dist.is_available() and dist.is_initialized()) or has_user_step_hooks(self):
             return False
         return not any(group.sharded for group in self._copy_groups()) and why_not_chunked(self.optimizer) is None
 
@@ -416,14 +416,76 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         wrapper was given a ``scaler`` and is called directly, the scaler
         checks and unscales first and a non-finite step is skipped; the return
         value is then whether it stepped.
+
+        Step hooks registered on this wrapper (``register_step_pre_hook``/``register_step_post_hook``) or
+        globally run around the update as torch runs them, and the step then takes the plain route. Before a
+        pre-hook of the user's runs (without a closure), the gradients are made ready for it: checked and
+        unscaled (the scaler's verdict first: a skipped step runs no hook, as under ``scaler.step``), copied
+        into the masters, and the masters' true values mirrored into the module's low gradients. The hook may
+        then read or edit either: an edit of a master's gradient is stepped as it is, one of a low gradient is
+        carried over to its master (:mod:`amp_fx.runtime.grad_edits`), so the same hook does the same thing on
+        every route and dtype.
         """
+        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
+            args: tuple[Any, ...] = (self,) if closure is None else (self, closure)
+            kwargs: dict[str, Any] = {}
+            checked = prepared = False
+            if closure is None:
+                self._refuse_uncovered_grads()  # (before anything is checked, copied or hooked)
+            if closure is None and has_user_step_hooks(self, pre_only=True):
+                prepared = True
+                checked = self._scaler is not None and not self._scaler._is_stepping(self)
+                if checked and not self._scaler._begin_step(self):
+                    return False
+                self._grads_for_hooks()
+            for hook in chain(torch_optimizer._global_optimizer_pre_hooks.values(),
+                              self._optimizer_step_pre_hooks.values()):
+                result = hook(self, args, kwargs)
+                if result is not None:
+                    if not (isinstance(result, tuple) and len(result) == 2):
+                        raise AmpRuntimeError(
+                            f"the step pre-hook {hook!r} returned {result!r}: a step pre-hook must return None or a "
+                            "tuple (new_args, new_kwargs), as for any torch optimizer.")
+                    args, kwargs = result
+            if prepared and self._fp32_accum:
+                self._refuse_low_grads_from_hooks()
+            out = self._step(*args[1:], _checked=checked, **kwargs)
+            self._optimizer_step_code()
+            for hook in chain(self._optimizer_step_post_hooks.values(),
+                              torch_optimizer._global_optimizer_post_hooks.values()):
+                hook(self, args, kwargs)
+            return out
+
+    # Runs its hooks itself (above), where the gradients are ready for them: torch's Optimizer must not wrap it.
+    step.hooked = True  # type: ignore[attr-defined]
+
+    def _grads_for_hooks(self) -> None:
+        """Give a pre-hook of the user's the masters' true gradients, mirrored into the low ones and watched."""
+        self._sync_grads_to_masters()  # (already synced: edits made since the user's unscale_ are carried over)
+        self._mirror_master_grads(write=True)
+
+    def _refuse_low_grads_from_hooks(self) -> None:
+        """fp32_grad_accumulation: refuse low gradients a pre-hook set (the masters' are the gradients there)."""
+        named = [self._names[id(param)] for param, _ in self._pairs if param.grad is not None]
+        if named:
+            raise AmpValueError(
+                f"a step pre-hook set gradients of the module's low-precision parameters {named}, but with "
+                "fp32_grad_accumulation=True the fp32 masters' gradients are what is stepped (each low gradient was "
+                "added into its master's and freed), so the edit would be lost. Edit the masters' gradients in the "
+                "hook instead: amp_fx.master_params(optimizer) (optimizer.master_parameters()).")
+
+    def _step(self, closure: Callable[[], Any] | None = None, _checked: bool = False) -> Any:
+        """:meth:`step` within its hooks; ``_checked``: the scaler's verdict was taken already (step it)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
             self._grads_synced = self._grads_deferred = False
+            self._refuse_uncovered_grads()
         scaler = self._scaler
-        if scaler is not None and not scaler._is_stepping(self):
+        if _checked:
+            loss = True
+        elif scaler is not None and not scaler._is_stepping(self):
             if not scaler._begin_step(self, step_follows=True):
                 return False
             loss = True
@@ -449,6 +511,8 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         """Step and copy back chunk by chunk (:mod:`~amp_fx.runtime.chunked_step`); why not (nothing done) or None."""
         if self._fp32_accum:
             return "fp32_grad_accumulation"
+        if has_user_step_hooks(self):
+            return "a step hook is registered on the MasterWeightOptimizer"
         groups = self._copy_groups()
         if any(group.sharded for group in groups):
             return "sharded masters"
