@@ -181,3 +181,173 @@ def test_a_free_fp32_node_read_only_by_low_ops_moves_low():
     assert (on.amp_report.node("relu").decision, _dtype(on, "relu")) == ("low", "bfloat16")
     assert on.amp_report.cast_bytes < off.amp_report.cast_bytes
     _close_to_fp32(on, model, example)
+
+
+class MethodRelu(ReluReadByLowOps):
+    """ReluReadByLowOps with ``h.relu()``, a call_method node: it moves as the function does."""
+
+    def forward(self, x):
+        h = F.layer_norm(x, (16,))
+        return self.a(h) + self.b(h.relu())
+
+
+def test_a_method_call_moves_as_the_function_does():
+    model, example = MethodRelu(), (torch.randn(*X),)
+    on = _convert(model, example)
+    assert (on.amp_report.node("relu").decision, _dtype(on, "relu")) == ("low", "bfloat16")
+    _close_to_fp32(on, model, example)
+
+
+# --------------------------------------------------------------------------
+# Which nodes may move at all (_free_kind): policy pins, promote ops, undecided custom ops
+# --------------------------------------------------------------------------
+class FanIn32(nn.Module):
+    """A low Linear read by relu and tanh that feed fp32 ops, and by softmax: greedy casts each branch up.
+
+    The cut moves relu and tanh to fp32 (they read softmax's cast of h); pin relu, and tanh moves alone.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return torch.softmax(F.relu(h), -1) + F.layer_norm(torch.tanh(h), (8,)), torch.softmax(h, -1)
+
+
+def test_a_policy_pinned_node_keeps_its_paint_while_its_sibling_moves():
+    model, example = FanIn32(), (torch.randn(*X),)
+    free = _convert(model, example)
+    assert (_dtype(free, "relu"), _dtype(free, "tanh")) == ("float32", "float32")
+    pinned = _convert(model, example, policy={"op:relu": "follow"})
+    relu, tanh = pinned.amp_report.node("relu"), pinned.amp_report.node("tanh")
+    assert (relu.decision, relu.rule, relu.dtype) == ("follow", "policy", "bfloat16")
+    assert (tanh.decision, tanh.dtype) == ("fp32", "float32")
+    _close_to_fp32(pinned, model, example)
+
+
+class CatOfFollowers(nn.Module):
+    """relu and tanh of a low Linear, concatenated (a PROMOTE op, low here) and read by softmax (fp32).
+
+    Greedy casts the cat up (2 x 4 x 8 elements); moving relu, tanh and the cat to fp32 casts the
+    Linear's output instead (4 x 8), which softmax(h) casts up anyway.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return torch.softmax(torch.cat([F.relu(h), torch.tanh(h)], -1), -1), torch.softmax(h, -1)
+
+
+def test_a_promote_op_moves_to_fp32_with_its_inputs():
+    model, example = CatOfFollowers(), (torch.randn(*X),)
+    on, off = _convert(model, example), _convert(model, example, minimize=False)
+    assert (off.amp_report.node("cat").decision, _dtype(off, "cat")) == ("promote", "bfloat16")
+    assert {name: _dtype(on, name) for name in ("relu", "tanh", "cat")} == dict.fromkeys(("relu", "tanh", "cat"), "float32")
+    assert on.amp_report.passes["minimize_casts"]["moved"] == 3
+    assert on.amp_report.cast_bytes < off.amp_report.cast_bytes
+    _close_to_fp32(on, model, example)
+
+
+@torch.library.custom_op("amp_fx_test_survivors::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+twice.register_autograd(lambda ctx, grad: grad * 2)
+
+
+class UndecidedCustomOp(CatOfFollowers):
+    """CatOfFollowers with an op in no amp_fx table in the cat's place: assign_precision makes it promote."""
+
+    def forward(self, x):
+        h = self.proj(x)
+        return torch.softmax(twice(F.relu(h)), -1), torch.softmax(h, -1)
+
+
+def test_an_undecided_custom_op_made_to_promote_never_moves():
+    """It computes in the dtype it gets under autocast (which leaves custom ops alone), and so does its input."""
+    model, example = UndecidedCustomOp(), (torch.randn(*X),)
+    on = _convert(model, example)
+    record = next(r for r in on.amp_report.nodes if "twice" in r.name)
+    assert (record.decision, record.rule, record.dtype) == ("promote", "unknown", "bfloat16")
+    assert _dtype(on, "relu") == "bfloat16" and on.amp_report.passes["minimize_casts"]["moved"] == 0
+    with torch.autocast("cpu", dtype=LOW):
+        assert twice(F.relu(model.proj(example[0]))).dtype == LOW
+    _close_to_fp32(on, model, example)
+
+
+# --------------------------------------------------------------------------
+# The network: a saving of one cast beats any number of tie-breaking edges; a tie keeps the greedy paint
+# --------------------------------------------------------------------------
+class TinyChainLow(nn.Module):
+    """A two-element fp32 layer_norm read by a Linear and by four relus in a chain into a second Linear.
+
+    Moving the chain low saves one cast of two elements (12 bytes): less than the four nodes moved if
+    the bytes were not scaled above the unit edges that break ties.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+        self.b = nn.Linear(2, 2)
+
+    def forward(self, x):
+        h = F.layer_norm(x, (2,))
+        return self.a(h), self.b(F.relu(F.relu(F.relu(F.relu(h)))))
+
+
+class TinyChainUp(nn.Module):
+    """A two-element low Linear read by softmax and by four relus in a chain into layer_norm: the chain moves to fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(2, 2)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return torch.softmax(h, -1), F.layer_norm(F.relu(F.relu(F.relu(F.relu(h)))), (2,))
+
+
+@pytest.mark.parametrize("factory,dtype", [(TinyChainLow, "bfloat16"), (TinyChainUp, "float32")],
+                         ids=["to_low", "to_fp32"])
+def test_a_one_cast_saving_moves_a_chain_of_free_nodes(factory, dtype):
+    model, example = factory(), (torch.randn(1, 2),)
+    on, off = _convert(model, example), _convert(model, example, minimize=False)
+    relus = [r for r in on.amp_report.nodes if r.name.startswith("relu")]
+    assert len(relus) == 4 and {r.dtype for r in relus} == {dtype}
+    assert {_dtype(off, r.name) for r in relus} != {dtype}
+    assert off.amp_report.cast_bytes - on.amp_report.cast_bytes == 2 * 6
+    _close_to_fp32(on, model, example)
+
+
+class TieFanIn32(nn.Module):
+    """A low Linear read by relu (into softmax) and tanh (into layer_norm): moving tanh alone costs what it saves."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return torch.softmax(F.relu(h), -1) + F.layer_norm(torch.tanh(h), (8,))
+
+
+def test_a_tie_keeps_the_greedy_paint_and_autocasts_dtype():
+    """relu pinned by the policy: tanh moved to fp32 would cast h instead of tanh, a tie; it stays low as autocast has it."""
+    model, example = TieFanIn32(), (torch.randn(*X),)
+    on = _convert(model, example, policy={"op:relu": "follow"})
+    assert (on.amp_report.node("tanh").decision, _dtype(on, "tanh")) == ("follow", "bfloat16")
+    assert on.amp_report.passes["minimize_casts"]["moved"] == 0
+    with torch.autocast("cpu", dtype=LOW):
+        assert torch.tanh(model.proj(example[0])).dtype == LOW
+    _close_to_fp32(on, model, example)
