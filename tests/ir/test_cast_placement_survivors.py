@@ -351,3 +351,45 @@ def test_a_tie_keeps_the_greedy_paint_and_autocasts_dtype():
     with torch.autocast("cpu", dtype=LOW):
         assert torch.tanh(model.proj(example[0])).dtype == LOW
     _close_to_fp32(on, model, example)
+
+
+# --------------------------------------------------------------------------
+# Readers that pin nothing (a comparison) and readers that pin (an uncast model output)
+# --------------------------------------------------------------------------
+class ComparedRelu(nn.Module):
+    """OwnCast with a comparison in the model cast's place: it reads any float dtype, so relu still moves."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.proj(x)
+        r = F.relu(h)
+        return r > 0.5, F.layer_norm(r, (16,)), torch.softmax(h, -1)
+
+
+def test_a_comparison_pins_nothing_so_its_input_moves_to_fp32():
+    model, example = ComparedRelu(), (torch.randn(*X),)
+    on = _convert(model, example)
+    assert (on.amp_report.node("relu").decision, _dtype(on, "relu")) == ("fp32", "float32")
+    mask = on(*example)[0]
+    assert mask.dtype == torch.bool
+    # relu of the Linear's bf16 result is exact in either dtype: the mask is autocast's, bit for bit.
+    assert torch.equal(mask, _autocast(model, example)[0])
+
+
+class ReluAtUncastOutput(ComparedRelu):
+    """relu of a low Linear is a model output itself: it must keep the dtype it returns (autocast's, bf16)."""
+
+    def forward(self, x):
+        h = self.proj(x)
+        r = F.relu(h)
+        return r, F.layer_norm(r, (16,)), torch.softmax(h, -1)
+
+
+def test_an_uncast_model_output_pins_its_value():
+    model, example = ReluAtUncastOutput(), (torch.randn(*X),)
+    on = _convert(model, example)
+    assert _dtype(on, "relu") == "bfloat16" and on.amp_report.passes["minimize_casts"]["moved"] == 0
+    assert on(*example)[0].dtype == _autocast(model, example)[0].dtype == LOW
