@@ -393,3 +393,26 @@ def test_an_uncast_model_output_pins_its_value():
     on = _convert(model, example)
     assert _dtype(on, "relu") == "bfloat16" and on.amp_report.passes["minimize_casts"]["moved"] == 0
     assert on(*example)[0].dtype == _autocast(model, example)[0].dtype == LOW
+
+
+class ReadBeforeAWrite(nn.Module):
+    """relu reads h before a view of h is scaled in place; a Linear reads h after: a shared cast would read the write."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 8)
+        self.c = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = F.layer_norm(x, (16,))
+        r = F.relu(h)
+        h.view(4, 16).mul_(2)
+        return self.a(r) + self.c(h)
+
+
+def test_a_reader_of_a_value_written_in_place_never_moves():
+    """Moving relu low would save a cast by sharing the Linear's cast of h, made after the write: relu stays fp32."""
+    model, example = ReadBeforeAWrite(), (torch.randn(*X),)
+    on = _convert(model, example)
+    assert _dtype(on, "relu") == "float32" and on.amp_report.passes["minimize_casts"]["moved"] == 0
+    _close_to_fp32(on, model, example)
