@@ -94,16 +94,21 @@ class PinnedReader(nn.Module):
 
     With fp32 outputs, moving relu (and tanh) to fp32 saves casts (h's cast is shared); with tanh pinned
     it would make tanh, which follows its input, run fp32: relu stays low, and both keep autocast's dtype.
+    Beside it, an independent branch where relu_1 moves low (ReluReadByLowOps): a cut that ignored the
+    pin would change tanh's dtype, the pass would throw the whole placement away, and relu_1 would not move.
     """
 
     def __init__(self):
         super().__init__()
         self.proj = nn.Linear(16, 16)
+        self.a = nn.Linear(16, 8)
+        self.b = nn.Linear(16, 8)
 
     def forward(self, x):
         h = self.proj(x)
         r = F.relu(h)
-        return torch.tanh(r), F.layer_norm(r, (16,)), torch.softmax(h, -1)
+        g = F.layer_norm(x, (16,))
+        return torch.tanh(r), F.layer_norm(r, (16,)), torch.softmax(h, -1), self.a(g) + self.b(F.relu(g))
 
 
 def test_a_policy_pinned_reader_keeps_its_input_where_it_was():
@@ -113,6 +118,8 @@ def test_a_policy_pinned_reader_keeps_its_input_where_it_was():
     assert (tanh.decision, tanh.rule, tanh.dtype) == ("follow", "policy", "bfloat16")
     assert _dtype(on, "relu") == "bfloat16"
     assert _autocast(model, example)[0].dtype == LOW  # autocast: relu and tanh follow the low Linear
+    assert (on.amp_report.node("relu_1").decision, _dtype(on, "relu_1")) == ("low", "bfloat16")
+    assert on.amp_report.passes["minimize_casts"]["moved"] == 1
     _close_to_fp32(on, model, example)
     # Without the pin, the same graph moves relu (and tanh with it) to fp32: the pin is what holds it.
     free = _convert(model, example, cast_model_outputs=torch.float32)
@@ -331,23 +338,32 @@ def test_a_one_cast_saving_moves_a_chain_of_free_nodes(factory, dtype):
 
 
 class TieFanIn32(nn.Module):
-    """A low Linear read by relu (into softmax) and tanh (into layer_norm): moving tanh alone costs what it saves."""
+    """A low Linear read by abs (into softmax) and tanh (into layer_norm): moving tanh alone costs what it saves.
+
+    Beside it, an independent branch where relu moves low and saves a cast (ReluReadByLowOps), so the
+    placement is taken: a tie broken the other way would move tanh with it.
+    """
 
     def __init__(self):
         super().__init__()
         self.proj = nn.Linear(16, 8)
+        self.a = nn.Linear(16, 8)
+        self.b = nn.Linear(16, 8)
 
     def forward(self, x):
         h = self.proj(x)
-        return torch.softmax(F.relu(h), -1) + F.layer_norm(torch.tanh(h), (8,))
+        g = F.layer_norm(x, (16,))
+        return (torch.softmax(torch.abs(h), -1) + F.layer_norm(torch.tanh(h), (8,)),
+                self.a(g) + self.b(F.relu(g)))
 
 
 def test_a_tie_keeps_the_greedy_paint_and_autocasts_dtype():
-    """relu pinned by the policy: tanh moved to fp32 would cast h instead of tanh, a tie; it stays low as autocast has it."""
+    """abs pinned by the policy: tanh moved to fp32 would cast h instead of tanh, a tie; it stays low as autocast has it."""
     model, example = TieFanIn32(), (torch.randn(*X),)
-    on = _convert(model, example, policy={"op:relu": "follow"})
+    on = _convert(model, example, policy={"op:abs": "follow"})
     assert (on.amp_report.node("tanh").decision, _dtype(on, "tanh")) == ("follow", "bfloat16")
-    assert on.amp_report.passes["minimize_casts"]["moved"] == 0
+    assert (on.amp_report.node("relu").decision, _dtype(on, "relu")) == ("low", "bfloat16")
+    assert on.amp_report.passes["minimize_casts"]["moved"] == 1
     with torch.autocast("cpu", dtype=LOW):
         assert torch.tanh(model.proj(example[0])).dtype == LOW
     _close_to_fp32(on, model, example)
