@@ -138,11 +138,11 @@ def _paint_of(node: fx.Node) -> tuple[str, str, str]:
     return node.meta.get(meta.DECISION, "follow"), node.meta.get(meta.REASON, ""), node.meta.get(meta.RULE, "")
 
 
-def _report_line(greedy: int, placed: int, moved: dict, free: int, estimated: bool, measured_worse: bool) -> str:
+def _report_line(greedy: int, placed: int, moved: dict, free: int, estimated: bool, greedy_kept_because: str) -> str:
     approx = "~" if estimated else ""
     tail = " (sizes estimated: shapes unknown or symbolic)" if estimated else ""
     if not moved:
-        why = "greedy placement kept, the min-cut one measures no fewer bytes" if measured_worse else "greedy placement is already minimal"
+        why = f"greedy placement kept, {greedy_kept_because}" if greedy_kept_because else "greedy placement is already minimal"
         return f"cast bytes per forward {approx}{greedy:,}: {why} ({free} free nodes){tail}"
     to_low = sum(1 for side in moved.values() if side == 0)
     saved = greedy - placed
@@ -167,7 +167,8 @@ def minimize_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     problem, free_kind = build_problem(gm, ctx, paint, greedy)
     greedy_bytes, estimated = measure_cast_bytes(gm, ctx, paint, greedy)
     placed_bytes, moved, target = greedy_bytes, {}, dict(original)
-    measured_worse = False
+    # Why a cut the solver found was not taken; empty when the greedy paint is the optimum.
+    greedy_kept_because = ""
     sides: dict = {}
     new_analysis: Optional[Analysis] = None
     if problem.free:
@@ -176,6 +177,7 @@ def minimize_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         except nx.NetworkXUnbounded:  # pins that contradict each other: keep the greedy paint
             logger.debug("contradictory constraints; greedy placement kept")
             sides = {}
+            greedy_kept_because = "the nodes' pins contradict each other"
         realized = _realize(gm, ctx, free_kind, sides, paint) if sides else None
         if realized is not None:
             new_paint, new_analysis = realized
@@ -193,7 +195,11 @@ def minimize_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                         moved[node] = sides[node]
                         logger.debug("step 6: %s -> %s (%s)", node.name, new_paint[node], reason)
                 else:
-                    measured_worse = True
+                    greedy_kept_because = "the min-cut one measures no fewer bytes"
+            elif changed:
+                # The safety net: a cut must not change what a node outside it computes. Say which node it hit.
+                outside = ", ".join(n.name for n in changed if n not in sides)
+                greedy_kept_because = f"the min-cut one would change nodes it may not move ({outside})"
     modified = False
     for node in graph.nodes:
         if target[node] != current[node]:
@@ -220,6 +226,6 @@ def minimize_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         "sizes_estimated": estimated,
         "model_bytes_greedy": problem.cost({}),
         "model_bytes_min_cut": problem.cost(sides) if sides else problem.cost({}),
-        "report_lines": [_report_line(greedy_bytes, placed_bytes, moved, len(problem.free), estimated, measured_worse)],
+        "report_lines": [_report_line(greedy_bytes, placed_bytes, moved, len(problem.free), estimated, greedy_kept_because)],
     }
     return PassResult(gm, modified, stats, analysis=kept)

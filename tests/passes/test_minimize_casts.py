@@ -548,3 +548,32 @@ def test_copies_of_a_free_op_no_longer_move_low_and_that_is_more_precise_against
     assert error(ours[1]) <= error(old[1])
     for got, want in zip(ours, _output_and_grads(_autocast(model), model, x)):
         assert torch.equal(got, want.float())
+
+
+def test_a_cut_thrown_away_says_which_node_it_would_have_changed(monkeypatch):
+    """The safety net's report line names the node a cut would have changed, not "already minimal".
+
+    The fault is injected: every node is treated as the model's own fixed cast, so no non-movable
+    reader pins its inputs (the cast-placement mutant 23 of .ci/mutation.md). The min-cut then moves
+    relu to fp32 under the policy-pinned tanh that reads it; the pass must keep the greedy paint and say why.
+    """
+    import amp_fx.ir.cast_placement as cast_placement
+
+    class PinnedReader(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.proj(x)
+            r = F.relu(h)
+            return torch.tanh(r), F.layer_norm(r, (16,)), torch.softmax(h, -1)
+
+    model, example = PinnedReader(), (torch.randn(4, 16),)
+    monkeypatch.setattr(cast_placement, "_fixed_model_cast", lambda node, decision, dtypes: True)
+    gm = amp_fx.convert(model, "O1", dtype=torch.bfloat16, example_inputs=example, cast_model_outputs=False,
+                        policy={"op:tanh": "follow"})
+    line = gm.amp_report.passes["minimize_casts"]["report_lines"][0]
+    assert gm.amp_report.passes["minimize_casts"]["moved"] == 0
+    assert "greedy placement kept, the min-cut one would change nodes it may not move (tanh" in line, line
+    assert gm.amp_report.node("relu").dtype == "bfloat16"
