@@ -153,7 +153,8 @@ def build_trainer(mode: str, base: nn.Module, inputs: tuple, device: str, dtype:
     elif mode == "compile(convert O2)":
         converted = convert("O2")
         module = torch.compile(converted, backend=inner)
-        opt = MasterWeightOptimizer(_sgd(model.parameters(), sgd), converted)
+        # Given the compiled module, as a user of torch.compile would: the wrapper then compiles its update too.
+        opt = MasterWeightOptimizer(_sgd(model.parameters(), sgd), module)
         scaler, autocast = _amp_fx_scaler("O2", dtype), None
     else:
         raise ValueError(f"unknown mode {mode!r}; choose from {list(MODES)}")

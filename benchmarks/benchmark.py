@@ -209,6 +209,9 @@ def _profile_rounds(trainers: dict, rows: dict, args: argparse.Namespace) -> Non
         rows[mode]["peak_bytes"] = max(peaks) + state_bytes(state_tensors(trainer))
         rows[mode]["gemm_share"] = statistics.median(g / (g + o) for g, o in zip(gemm, other))
         rows[mode]["other_ratio"] = statistics.median(o / b[2] for o, b in zip(other, base))
+        # The mode's GEMMs alone against the baseline's whole step (op time): the ratio it would reach with every
+        # other kernel made free, so a time target below it cannot be met by less memory work on this machine.
+        rows[mode]["gemm_floor"] = statistics.median(g / (b[1] + b[2]) for g, b in zip(gemm, base))
 
 
 def _fmt_row(mode: str, row: dict) -> list[str]:
@@ -247,7 +250,11 @@ def check_targets(result: dict) -> list[tuple[str, bool, str]]:
         limit = limits.get(name, limits.get("*"))
         if mode in rows and limit is not None:
             baseline = MODES[mode][1]
-            out.append((f"{mode} <= {limit}x {baseline}", rows[mode]["ratio"] <= limit, f"{rows[mode]['ratio']:.2f}"))
+            floor = rows[mode].get("gemm_floor", float("nan"))
+            below = f"; below its GEMM floor {floor:.2f}" if floor == floor and limit < floor else \
+                (f"; GEMM floor {floor:.2f}" if floor == floor else "")
+            out.append((f"{mode} <= {limit}x {baseline}", rows[mode]["ratio"] <= limit,
+                        f"{rows[mode]['ratio']:.2f}{below}"))
     if name == "mlp":
         for mode in ("torch.autocast", "amp_fx O1", "amp_fx O2"):
             share = rows.get(mode, {}).get("gemm_share", float("nan"))

@@ -43,7 +43,7 @@ PRESETS: dict[str, Preset] = {
     "issue14": Preset("benchmark.py", ("--preset", "issue14", "--model", "mlp,transformer,gpt", "--inference",
                                        "--no-scaling"), "the summary ratios to autocast (training and inference) of docs/performance.md"),
     "issue41": Preset("benchmark.py", ("--preset", "issue14", "--model", "mlp,transformer,gpt", "--no-scaling", "--sgd", "fused",
-                                       "--modes", 'torch.autocast,amp_fx O1,amp_fx O2,compile+autocast,compile(backend="amp_fx")',
+                                       "--modes", 'torch.autocast,amp_fx O1,amp_fx O2,compile+autocast,compile(backend="amp_fx"),compile(convert O2)',
                                        "--rounds", "15", "--profile-rounds", "3", "--clock", "cpu"),
                       "issue 41's table: O1/O2/compiled vs autocast, SGD(fused=True) on every side, CPU-time clock, bytes moved per step"),
     "o2-one-pass": Preset("bench_o2_step.py", ("--optimizer", "sgd", "--one-pass", "--sgd-impl", "fused", "--rounds", "9",

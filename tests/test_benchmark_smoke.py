@@ -92,6 +92,17 @@ def test_targets_are_issue_41s():
     assert not any("GEMMs" in label for label in gpt)
 
 
+def test_time_targets_name_their_gemm_floor():
+    """A time target's figures give the mode's GEMM floor (its GEMMs over the baseline's step) and say when the
+    target lies below it: then no saving outside the GEMMs can meet it on that machine."""
+    rows = {"torch.autocast": {"ratio": 1.0, "peak_bytes": 1.0, "gemm_share": 0.88, "gemm_floor": 0.88},
+            "amp_fx O2": {"ratio": 0.97, "peak_bytes": 1.0, "gemm_share": 0.9, "gemm_floor": 0.87},
+            "amp_fx O1": {"ratio": 1.0, "peak_bytes": 1.0, "gemm_share": 0.88, "gemm_floor": 0.88}}
+    figures = {label: text for label, _, text in benchmark.check_targets({"name": "transformer", "rows": rows})}
+    assert figures["amp_fx O2 <= 0.85x torch.autocast"] == "0.97; below its GEMM floor 0.87"
+    assert figures["amp_fx O1 <= 0.95x torch.autocast"] == "1.00; GEMM floor 0.88"
+
+
 def test_cast_counter_counts_only_dtype_changes():
     """_to_copy to another dtype and copy_ across dtypes count; same-dtype copies and other ops do not."""
     x = torch.randn(4, 3)
