@@ -17,7 +17,7 @@ user left it unset), float ``lr`` and betas, CPU fp32 masters, no step hook, no 
 ``optimizer.step`` not replaced on the instance except by an LR scheduler (whose "stepped" flag is set as
 its wrapper would). :func:`why_not_chunked` names what keeps it off; the wrapper then steps as before.
 (These kernels read gradients of the parameters' dtype only: fp32, not the low bf16 ones, so the copy in
-stays; one pass with no fp32 gradient at all needs a compiled kernel, docs/performance.md "O2 update".)
+stays; :mod:`amp_fx.runtime.compiled_update` makes one compiled pass that needs no fp32 gradient at all.)
 """
 
 from __future__ import annotations

@@ -33,9 +33,14 @@ them, as in Apex.
 Where the wrapped optimizer leaves ``foreach`` and ``fused`` unset and its
 masters are on CPU, Adam, AdamW and SGD step fused (torch would step them one
 tensor at a time there; see :mod:`amp_fx.runtime.step_impl`); pass
-``foreach=False`` to keep the loop. A step then takes one of two routes
-(``mw.last_step_route`` says which, and why not the first):
+``foreach=False`` to keep the loop. A step then takes one of three routes
+(``mw.last_step_route`` says which, and why not the one before):
 
+* **compiled** (``compiled_update=True``/a backend name, or by default over a
+  ``torch.compile``d module; :mod:`amp_fx.runtime.compiled_update`): SGD, Adam
+  or AdamW on CPU fp32 masters, from the second step on, one compiled pass per
+  parameter group reads the low gradients as they are and writes optimizer
+  state, master and low parameter; within a few ulp of the chunked route.
 * **chunked** (:mod:`amp_fx.runtime.chunked_step`: fused SGD/Adam/AdamW, CPU
   fp32 masters, no step hook of the user's on this wrapper, on the wrapped
   optimizer or global; see :meth:`MasterWeightOptimizer.step` for what a

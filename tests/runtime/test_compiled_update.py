@@ -204,6 +204,28 @@ def test_state_dict_resumes_bit_for_bit():
         assert torch.equal(a, b)
 
 
+def test_unscale_and_clip_before_the_step_reach_the_compiled_update():
+    """fp16: ``scaler.unscale_`` then a clip of the module's low gradients (the masters' gradients are copied and
+    unscaled there, and the clip is carried over to them): the compiled pass steps on those, as the chunked route
+    does from the same state."""
+    gm, mw, scaler = build("sgd-momentum", "aot_eager", torch.float16)
+    ref_gm, ref_mw, ref_scaler = build("sgd-momentum", False, torch.float16)
+    for x, y in batches(3):
+        ref_mw.load_state_dict(copy.deepcopy(mw.state_dict()))
+        ref_scaler.load_state_dict(scaler.state_dict())
+        for g, opt, sc in ((gm, mw, scaler), (ref_gm, ref_mw, ref_scaler)):
+            opt.zero_grad()
+            sc.scale(F.cross_entropy(g(x), y)).backward()
+            sc.unscale_(opt)
+            assert torch.nn.utils.clip_grad_norm_(g.parameters(), 0.05) > 0.1  # (the clip engages)
+            sc.step(opt)
+            sc.update()
+        assert_close([m.detach() for m in mw.master_parameters()], [m.detach() for m in ref_mw.master_parameters()])
+        assert_close(state_tensors(mw), state_tensors(ref_mw))
+        assert_low_copies_exact(gm, mw)
+    assert mw.last_step_route == "compiled" and ref_mw.last_step_route == "chunked"
+
+
 def test_parameter_without_a_gradient_is_not_stepped():
     """A parameter whose gradient is None at step 3 keeps its master, momentum and low copy (as torch skips it);
     the others step compiled, and everything agrees with the chunked route."""
