@@ -67,12 +67,15 @@ def batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(12, 8, generator=gen), torch.randint(0, 4, (12,), generator=gen)) for _ in range(count)]
 
 
-def build(name: str, compiled, dtype: torch.dtype = torch.bfloat16, module_wrap=None):
+def build(name: str, compiled, dtype: torch.dtype = torch.bfloat16, module_wrap=None, own_masters: bool = False):
+    """``own_masters``: the optimizer over the module's parameters with no masters given, so the fp32 LayerNorm
+    parameters are their own masters (their fp32 gradients are read by the compiled pass as they are)."""
     model = make_model()
     gm = amp_fx.convert(model, "O2", dtype=dtype)
     cls, options = OPTIMIZERS[name]
     given = gm if module_wrap is None else module_wrap(gm)
-    mw = amp_fx.MasterWeightOptimizer(cls(model.parameters(), **options), given, compiled_update=compiled)
+    params, masters = (gm.parameters(), {}) if own_masters else (model.parameters(), None)
+    mw = amp_fx.MasterWeightOptimizer(cls(params, **options), given, masters=masters, compiled_update=compiled)
     scaler = amp_fx.LossScaler(**({"init_scale": 2.0 ** 10} if dtype == torch.float16 else {}), dtype=dtype)
     return gm, mw, scaler
 
@@ -108,11 +111,11 @@ def assert_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 
 
 def compare_with_chunked(name: str, steps: int = 4, dtype=torch.bfloat16, edit=None, scheduler=None,
-                         compiled="aot_eager") -> tuple:
+                         compiled="aot_eager", own_masters: bool = False) -> tuple:
     """Step the compiled side; before each step the chunked side loads its state: agree within the bound each step."""
     data = batches(steps)
-    gm, mw, scaler = build(name, compiled, dtype)
-    ref_gm, ref_mw, ref_scaler = build(name, False, dtype)
+    gm, mw, scaler = build(name, compiled, dtype, own_masters=own_masters)
+    ref_gm, ref_mw, ref_scaler = build(name, False, dtype, own_masters=own_masters)
     sched = scheduler(mw) if scheduler else None
     routes = []
     for i, (x, y) in enumerate(data):
@@ -167,6 +170,15 @@ def test_skipped_step_changes_nothing_and_fp16_unscale_is_folded_in():
     for name, master in snapshot["masters"].items():
         assert torch.equal(master, after["masters"][name])
     assert len(state_tensors(mw)) == 12  # 6 parameters x (exp_avg, exp_avg_sq)
+
+
+def test_fp32_parameters_that_are_their_own_masters_fp16():
+    """The LayerNorm's fp32 parameters as their own masters: under fp16 their fp32 gradients were only checked
+    (the unscale left to the step) and the compiled pass unscales them with the low ones, as the chunked route."""
+    gm, mw, routes = compare_with_chunked("adam-amsgrad", steps=3, dtype=torch.float16, own_masters=True)
+    assert routes[1:] == ["compiled"] * 2
+    own = [p for p, m in zip(mw.module_parameters(), mw.master_parameters()) if p is m]
+    assert len(own) == 2 and all(p.dtype == torch.float32 for p in own)
 
 
 def test_lr_scheduler_takes_effect_without_recompiling():
