@@ -178,7 +178,7 @@ class CompiledUpdate:
             plans.append(plan)
         keys = {plan[0] for plan in plans} - self._variants
         if len(self._variants) + len(keys) > MAX_VARIANTS:
-            return f"more than {MAX_VARIANTS} different parameter sets to compile (gradients present on some steps only)"
+            return f"more than {MAX_VARIANTS} parameter sets to compile (gradients present on some steps only)"
         for hook in pre_hooks(optimizer):
             hook(optimizer, (), {})
         if "step" in optimizer.__dict__:  # an LR scheduler's wrapper: it would have recorded the call
@@ -213,9 +213,10 @@ class CompiledUpdate:
                     "(\"aot_eager\" needs no C++ compiler).") from err
             self.failed = f"{type(err).__name__}: {summary}"
             warnings.warn(
-                f"MasterWeightOptimizer: the compiled update (torch.compile backend {self.backend!r}) failed to compile "
-                f"({self.failed}); the step takes the chunked or plain route from now on. Pass compiled_update=False "
-                "to silence this, or compiled_update=\"aot_eager\". (Warned once.)", CompiledUpdateWarning, stacklevel=4)
+                f"MasterWeightOptimizer: the compiled update (torch.compile backend {self.backend!r}) failed to "
+                f"compile ({self.failed}); the step takes the chunked or plain route from now on. Pass "
+                "compiled_update=False to silence this, or compiled_update=\"aot_eager\". (Warned once.)",
+                CompiledUpdateWarning, stacklevel=4)
             return f"the compiled update failed to compile: {self.failed}"
         return None
 
@@ -223,6 +224,11 @@ class CompiledUpdate:
 def _hyper(values: list[float], device: torch.device) -> torch.Tensor:
     """The group's scalars as one fp32 tensor (a graph input, so a new value never recompiles)."""
     return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _layout(params: list[torch.Tensor], grads: list[torch.Tensor], lows: list[torch.Tensor | None]) -> tuple:
+    """What a graph is specialised on besides its flags: the masters, gradient dtypes, which have a low copy."""
+    return tuple((id(p), g.dtype, low is not None) for p, g, low in zip(params, grads, lows))
 
 
 def _sgd_plan(optimizer: torch.optim.SGD, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
@@ -238,7 +244,7 @@ def _sgd_plan(optimizer: torch.optim.SGD, group: dict[str, Any], params: list[to
                  decay_on=float(group["weight_decay"]) != 0)
     hyper = _hyper([float(group["lr"]), momentum, 1 - float(group["dampening"]), float(group["weight_decay"]),
                     inv_scale], params[0].device)
-    key = ("sgd", tuple(flags.values()), tuple((id(p), g.dtype, low is not None) for p, g, low in zip(params, grads, lows)))
+    key = ("sgd", tuple(flags.values()), _layout(params, grads, lows))
     return key, "sgd", (params, grads, buffers or [None] * len(params), lows, hyper), flags, lambda: None
 
 
@@ -265,5 +271,5 @@ def _adam_plan(optimizer: torch.optim.Adam, group: dict[str, Any], params: list[
     per = torch.tensor(per_param, dtype=torch.float32, device=device)
     max_sqs = [s["max_exp_avg_sq"] for s in states] if amsgrad else [None] * len(params)
     args = (params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], max_sqs, lows, hyper, per)
-    key = ("adam", tuple(flags.values()), tuple((id(p), g.dtype, low is not None) for p, g, low in zip(params, grads, lows)))
+    key = ("adam", tuple(flags.values()), _layout(params, grads, lows))
     return key, "adam", args, flags, lambda: torch._foreach_add_(steps, 1)
