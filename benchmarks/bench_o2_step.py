@@ -40,8 +40,16 @@ copy with the same optimizer class and learning rate:
   norms in bf16, as CPU autocast runs them. Not a recommendation; it
   measures what O2's fp32 norms cost against autocast.
 
-With ``--one-pass`` (SGD only) one more mode, a prototype that amp_fx does
-not ship: ``O2 one pass`` checks the module's bf16 gradients for inf/NaN and
+With ``--compiled-update`` one more mode, ``O2 compiled update``: ``O2`` with
+``MasterWeightOptimizer(..., compiled_update=True)`` (SGD, Adam or AdamW; the
+update of each parameter group one inductor-compiled pass that reads the bf16
+gradients as they are and writes optimizer state, fp32 master and bf16
+parameter: ``amp_fx/runtime/compiled_update.py``). Its first step makes the
+optimizer state on the chunked route and its second compiles (seconds), both
+in the warm-up. ``--compiled-update aot_eager`` names another backend.
+
+With ``--one-pass`` (SGD only) one more mode, the prototype the compiled update
+grew from (kept for comparison; not what amp_fx ships): ``O2 one pass`` checks the module's bf16 gradients for inf/NaN and
 then updates momentum, fp32 master and bf16 parameter in one inductor-compiled
 pass that reads the bf16 gradients as they are (no fp32 gradient copies, no
 separate copy back): what issue 41's "update and low-precision copy in one
@@ -169,7 +177,7 @@ class OnePassO2(Mode):
 
 
 def build_modes(base: nn.Module, data: tuple, optimizer: str, one_pass: bool = False,
-                sgd_impl: str = "foreach") -> dict[str, Mode]:
+                sgd_impl: str = "foreach", compiled_update: Optional[str] = None) -> dict[str, Mode]:
     """Every mode on its own deep copy of ``base``."""
     cls, options, faster = OPTIMIZERS[optimizer]
     if optimizer == "sgd":
@@ -178,6 +186,8 @@ def build_modes(base: nn.Module, data: tuple, optimizer: str, one_pass: bool = F
     names = [BASELINE, "autocast", "O1 fused", "O2", "O2 plain step", "O2 fresh grads", "O2 fp32 accum", "O2 loop", "O2 bf16 norms"]
     if optimizer == "sgd":
         names.insert(6, "O2 foreach")  # the implementation O2 chose for SGD before the lean update
+    if compiled_update:
+        names.insert(4, "O2 compiled update")
     for name in names:
         model = copy.deepcopy(base)
         impl = (faster if name.endswith("fused") else {"foreach": False} if name.endswith("loop")
@@ -195,7 +205,8 @@ def build_modes(base: nn.Module, data: tuple, optimizer: str, one_pass: bool = F
             gm = amp_fx.convert(model, "O2", dtype=torch.bfloat16, policy=policy)
             keep = name != "O2 fresh grads"
             mw = amp_fx.MasterWeightOptimizer(cls(model.parameters(), **options, **impl), gm, keep_grad_buffers=keep,
-                                              fp32_grad_accumulation=name == "O2 fp32 accum")
+                                              fp32_grad_accumulation=name == "O2 fp32 accum",
+                                              compiled_update=compiled_update if name == "O2 compiled update" else False)
             if name == "O2 plain step":
                 mw.optimizer.register_step_pre_hook(lambda *args: None)  # a step hook keeps the chunked step off
             modes[name] = Mode(gm, mw, amp_fx.LossScaler(dtype=torch.bfloat16), False, data)
@@ -242,6 +253,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1: a shared machine)")
     parser.add_argument("--one-pass", action="store_true",
                         help="SGD: add the prototype 'O2 one pass' (update + bf16 copy in one compiled pass; docstring)")
+    parser.add_argument("--compiled-update", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="add 'O2 compiled update' (MasterWeightOptimizer(compiled_update=BACKEND), default inductor)")
     parser.add_argument("--sgd-impl", default="foreach", choices=("foreach", "fused"),
                         help="SGD: the autocast baseline's implementation (fused: torch's fastest on CPU)")
     parser.add_argument("--clock", default="cpu", choices=tuple(CLOCKS),
@@ -254,7 +267,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     torch.manual_seed(0)
     base = make_mlp(args.width, args.depth)
     data = (torch.randn(args.batch, args.width), torch.randn(args.batch, args.width))
-    modes = build_modes(base, data, args.optimizer, args.one_pass, args.sgd_impl)
+    modes = build_modes(base, data, args.optimizer, args.one_pass, args.sgd_impl, args.compiled_update)
     inner = modes["O2"].opt.param_groups[0]
     print(f"torch {torch.__version__}, {args.threads} thread(s); {cpu_capability()}")
     print(f"torch.ops.mkldnn._is_mkldnn_bf16_supported() = {torch.ops.mkldnn._is_mkldnn_bf16_supported()}; "
@@ -262,15 +275,20 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print(f"MLP {args.depth} x (Linear {args.width}->GELU->LayerNorm), {sum(p.numel() for p in base.parameters())} parameters, "
           f"batch {args.batch}, bf16, {args.optimizer}; O2's inner step: foreach={inner['foreach']} "
           f"fused={inner.get('fused')}; {args.rounds} rounds x {args.repeats} steps; clock: {args.clock}")
-    for mode in modes.values():
-        for _ in range(args.warmup):
+    for name, mode in modes.items():
+        start = time.perf_counter()
+        for _ in range(max(args.warmup, 3) if name == "O2 compiled update" else args.warmup):  # (state, compile)
             mode.step()
+        if name == "O2 compiled update":
+            print(f"O2 compiled update: warm-up (first step, compile) {time.perf_counter() - start:.1f} s wall")
     print(f"O2's route: {modes['O2'].opt.last_step_route}; O2 plain step's: {modes['O2 plain step'].opt.last_step_route}")
+    if "O2 compiled update" in modes:
+        print(f"O2 compiled update's route: {modes['O2 compiled update'].opt.last_step_route}")
     times = time_rounds(modes, args.rounds, args.repeats)
     base_t = times[BASELINE]
-    print(f"\n{'mode':16} {'step ms':>8} {'ratio to baseline':>20} {'update ms':>10} {'update ratio':>20} skipped")
+    print(f"\n{'mode':19} {'step ms':>8} {'ratio to baseline':>20} {'update ms':>10} {'update ratio':>20} skipped")
     for name, t in times.items():
-        print(f"{name:16} {statistics.median(t['step']) * 1e3:8.1f} {ratio_cell(t['step'], base_t['step']):>20} "
+        print(f"{name:19} {statistics.median(t['step']) * 1e3:8.1f} {ratio_cell(t['step'], base_t['step']):>20} "
               f"{statistics.median(t['update']) * 1e3:10.1f} {ratio_cell(t['update'], base_t['update']):>20} "
               f"{modes[name].skipped():7d}")
     return times

@@ -17,7 +17,7 @@ user left it unset), float ``lr`` and betas, CPU fp32 masters, no step hook, no 
 ``optimizer.step`` not replaced on the instance except by an LR scheduler (whose "stepped" flag is set as
 its wrapper would). :func:`why_not_chunked` names what keeps it off; the wrapper then steps as before.
 (These kernels read gradients of the parameters' dtype only: fp32, not the low bf16 ones, so the copy in
-stays; one pass with no fp32 gradient at all needs a compiled kernel, docs/performance.md "O2 update".)
+stays; :mod:`amp_fx.runtime.compiled_update` makes one compiled pass that needs no fp32 gradient at all.)
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from torch.optim import optimizer as torch_optimizer
 from amp_fx.converter.step_guard import _refuse_plain_step
 from amp_fx.graph_ops.cast_cache import _after_step
 
-__all__ = ["CHUNK_BYTES", "why_not_chunked", "chunked_step", "has_user_step_hooks"]
+__all__ = ["CHUNK_BYTES", "why_not_chunked", "chunked_step", "has_user_step_hooks", "pre_hooks", "post_hooks",
+           "instance_step_ok"]
 
 # Masters per chunk, in bytes: small tensors (biases, norms) share a chunk, a large one is cut into slices of
 # this size. A chunk's working set (SGD: low gradient, fp32 scratch gradient, master, momentum, low copy: 5 MiB)
@@ -44,12 +45,14 @@ _CLASSES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 _KNOWN_HOOKS: frozenset[Callable[..., Any]] = frozenset({_refuse_plain_step, _after_step})
 
 
-def _pre_hooks(optimizer: torch.optim.Optimizer) -> list[Callable[..., Any]]:
+def pre_hooks(optimizer: torch.optim.Optimizer) -> list[Callable[..., Any]]:
+    """The step pre-hooks ``optimizer.step``'s wrapper would run: the global ones, then the optimizer's."""
     return list(chain(torch_optimizer._global_optimizer_pre_hooks.values(),
                       optimizer._optimizer_step_pre_hooks.values()))
 
 
-def _post_hooks(optimizer: torch.optim.Optimizer) -> list[Callable[..., Any]]:
+def post_hooks(optimizer: torch.optim.Optimizer) -> list[Callable[..., Any]]:
+    """The step post-hooks ``optimizer.step``'s wrapper would run: the optimizer's, then the global ones."""
     return list(chain(optimizer._optimizer_step_post_hooks.values(),
                       torch_optimizer._global_optimizer_post_hooks.values()))
 
@@ -58,11 +61,11 @@ def has_user_step_hooks(optimizer: torch.optim.Optimizer, pre_only: bool = False
     """Whether a step hook other than amp_fx's own runs around ``optimizer.step`` (its own tables, or a global one).
 
     ``pre_only``: pre-hooks only (what reads or edits the gradients before the update)."""
-    hooks = _pre_hooks(optimizer) if pre_only else chain(_pre_hooks(optimizer), _post_hooks(optimizer))
+    hooks = pre_hooks(optimizer) if pre_only else chain(pre_hooks(optimizer), post_hooks(optimizer))
     return any(hook not in _KNOWN_HOOKS for hook in hooks)
 
 
-def _instance_step_ok(optimizer: torch.optim.Optimizer) -> bool:
+def instance_step_ok(optimizer: torch.optim.Optimizer) -> bool:
     """``optimizer.step`` is its class's, or an LR scheduler's wrapper of it (which only sets a flag)."""
     patched = optimizer.__dict__.get("step")
     if patched is None:
@@ -77,7 +80,7 @@ def why_not_chunked(optimizer: torch.optim.Optimizer) -> str | None:
         return f"{type(optimizer).__name__} is not exactly SGD, Adam or AdamW"
     if has_user_step_hooks(optimizer):
         return "an optimizer step hook is registered"
-    if not _instance_step_ok(optimizer):
+    if not instance_step_ok(optimizer):
         return "optimizer.step was replaced on the instance"
     if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
         return "the optimizer carries GradScaler's grad_scale/found_inf"
@@ -166,7 +169,7 @@ def chunked_step(optimizer: torch.optim.Optimizer, grad_sources: dict[int, torch
     reason = _why_not_with_grads(optimizer, grad_sources)
     if reason is not None:
         return reason
-    for hook in _pre_hooks(optimizer):
+    for hook in pre_hooks(optimizer):
         hook(optimizer, (), {})
     if "step" in optimizer.__dict__:  # an LR scheduler's wrapper: it would have recorded the call
         optimizer._opt_called = True  # type: ignore[attr-defined]
@@ -201,7 +204,7 @@ def chunked_step(optimizer: torch.optim.Optimizer, grad_sources: dict[int, torch
                 if out:
                     torch._foreach_copy_([piece.low for piece in out], [piece.master for piece in out])
             written.update(id(p) for p in params if id(p) in lows)
-    for hook in _post_hooks(optimizer):
+    for hook in post_hooks(optimizer):
         hook(optimizer, (), {})
     return written
 

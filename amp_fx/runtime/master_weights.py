@@ -33,9 +33,14 @@ them, as in Apex.
 Where the wrapped optimizer leaves ``foreach`` and ``fused`` unset and its
 masters are on CPU, Adam, AdamW and SGD step fused (torch would step them one
 tensor at a time there; see :mod:`amp_fx.runtime.step_impl`); pass
-``foreach=False`` to keep the loop. A step then takes one of two routes
-(``mw.last_step_route`` says which, and why not the first):
+``foreach=False`` to keep the loop. A step then takes one of three routes
+(``mw.last_step_route`` says which, and why not the one before):
 
+* **compiled** (``compiled_update=True``/a backend name, or by default over a
+  ``torch.compile``d module; :mod:`amp_fx.runtime.compiled_update`): SGD, Adam
+  or AdamW on CPU fp32 masters, from the second step on, one compiled pass per
+  parameter group reads the low gradients as they are and writes optimizer
+  state, master and low parameter; within a few ulp of the chunked route.
 * **chunked** (:mod:`amp_fx.runtime.chunked_step`: fused SGD/Adam/AdamW, CPU
   fp32 masters, no step hook of the user's on this wrapper, on the wrapped
   optimizer or global; see :meth:`MasterWeightOptimizer.step` for what a
@@ -102,10 +107,11 @@ from . import fp32_grad_accumulation as fp32_accum
 from . import grad_edits
 from .dtensors import is_dtensor, local_tensor, refuse_replaced_params
 from .chunked_step import chunked_step, has_user_step_hooks, why_not_chunked
+from .compiled_update import CompiledUpdate, why_not_compiled
 from .master_copies import CopyGroup, group_pairs
 from .master_mapping import MasterMapping, check_fp32_accumulation, check_module
 from .overflow import check_and_unscale_, grads_of
-from .modules import unwrap_compiled
+from .modules import is_compiled, unwrap_compiled
 from .step_impl import fused_sgd_guard, prefer_fast_step
 from amp_fx.errors import AmpKeyError, AmpRuntimeError, AmpValueError, AmpWarning, checks_keywords
 
@@ -153,6 +159,19 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
             (a reference kept from ``master.grad``, a view of it) is never
             overwritten: a new one is made. False frees them at
             ``zero_grad()``, as torch does.
+        compiled_update: step SGD/Adam/AdamW with one ``torch.compile``d pass
+            per parameter group that reads the low gradients as they are and
+            writes optimizer state, fp32 master and low parameter
+            (:mod:`amp_fx.runtime.compiled_update`). ``True``: inductor;
+            a string: that ``torch.compile`` backend; ``False``: never;
+            ``None`` (default): inductor where ``module`` is a
+            ``torch.compile``d module (compilation was chosen), else never.
+            ``True``/a string refuse what it cannot step (fp32_grad_accumulation,
+            sharded or non-CPU masters, another optimizer class); a compile that
+            fails raises there, and under ``None`` warns once
+            (:class:`~amp_fx.runtime.compiled_update.CompiledUpdateWarning`) and
+            steps the chunked route. The first step runs the chunked or plain
+            route (it makes the optimizer state).
 
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own
     objects, so LR schedulers built over this wrapper (or over the wrapped
@@ -168,8 +187,16 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         scaler: Any = None,
         fp32_grad_accumulation: bool = False,
         keep_grad_buffers: bool = True,
+        compiled_update: bool | str | None = None,
     ) -> None:
         check_inner_optimizer(optimizer, "MasterWeightOptimizer")
+        if compiled_update is not None and not isinstance(compiled_update, (bool, str)):
+            raise AmpValueError(
+                f"compiled_update must be True, False, None or a torch.compile backend name, got {compiled_update!r}")
+        if compiled_update is None:  # on where the user chose compilation for the module
+            backend, strict = ("inductor" if is_compiled(module) else None), False
+        else:
+            backend, strict = ("inductor" if compiled_update is True else compiled_update or None), True
         module = unwrap_compiled(module)
         check_module(module)
         if not isinstance(fp32_grad_accumulation, bool):
@@ -194,8 +221,13 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         self._grads_synced = False
         # Checked for inf/NaN on the low gradients, not yet copied into the masters' (the chunked step copies them).
         self._grads_deferred = False
-        # Which way the last step() went: "chunked", or "optimizer.step (<why not chunked>)" (chunked_step).
+        # The reciprocal scale the deferred gradients still need (fp16: the compiled update multiplies it in).
+        self._deferred_inv = 1.0
+        # Which way the last step() went: "compiled", "chunked", or "optimizer.step (<why not chunked>)"; where the
+        # compiled update is on but did not run, "(not compiled: <why>)" follows.
         self.last_step_route = ""
+        # The compiled update (compiled_update.py), or None where off.
+        self._compiled = None if backend is None else CompiledUpdate(backend, strict)
         # The chunked step's fp32 scratch gradient (CHUNK_BYTES and a bit), kept from step to step.
         self._scratch = [torch.empty(0)]
         # The low gradients as _mirror_master_grads() left them (grad_edits.mirror): edits until the step reach the masters.
@@ -209,6 +241,13 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         # Map everything first and swap last: a refused optimizer is left untouched. The optimizer may hold a
         # part of the module's parameters (another optimizer the rest): a step refuses a gradient none applies.
         swapped = [[self._master_for(p) for p in g["params"]] for g in optimizer.param_groups]
+        if strict and self._compiled is not None:
+            reason = "fp32_grad_accumulation=True (the masters' gradients are the accumulator)" if fp32_grad_accumulation \
+                else why_not_compiled(optimizer, [m for group in swapped for m in group])
+            if reason is not None:
+                raise AmpValueError(
+                    f"MasterWeightOptimizer(compiled_update={compiled_update!r}) cannot compile this update: {reason}. "
+                    "Pass compiled_update=False (or leave it None) to step with the chunked or plain route.")
         for group, params in zip(optimizer.param_groups, swapped):
             group["params"] = params
         self._move_state_to_masters()
@@ -314,18 +353,31 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         self._grads_synced = True
 
     def _copy_deferred_grads(self) -> None:
-        """Copy the low gradients into the masters' now where the check left the copy to the step."""
+        """Copy the low gradients into the masters' now where the check left the copy to the step (and the unscale,
+        where it left that to the compiled update: every master gradient, own-master fp32 ones too)."""
         if self._grads_deferred:
             self._grads_deferred = False
             with torch.no_grad():
                 for group in self._copy_groups():
                     group.copy_grads_to_masters()
+                if self._deferred_inv != 1.0:  # (fp32 products rounded once: the bits of the scaler's kernel)
+                    grads = [m.grad for m in self.master_parameters() if m.grad is not None]
+                    if grads:
+                        torch._foreach_mul_(grads, torch.full((), self._deferred_inv, dtype=torch.float32))
+            self._deferred_inv = 1.0
 
     def _can_defer(self) -> bool:
         """Whether the gradient copy may wait for the step (plain tensors in one process, no fp32 accumulation)."""
         if self._fp32_accum or (dist.is_available() and dist.is_initialized()) or has_user_step_hooks(self):
             return False
-        return not any(group.sharded for group in self._copy_groups()) and why_not_chunked(self.optimizer) is None
+        if any(group.sharded for group in self._copy_groups()):
+            return False
+        return why_not_chunked(self.optimizer) is None or self._compiled_may_run()
+
+    def _compiled_may_run(self) -> bool:
+        """Whether the compiled update is on and nothing known before the step rules it out."""
+        return self._compiled is not None and self._compiled.failed is None and not self._fp32_accum and \
+            why_not_compiled(self.optimizer) is None
 
     def _sync_check_and_unscale_(self, inv_scale: float,
                                  step_follows: bool = False) -> dict[torch.device, torch.Tensor] | None:
@@ -347,13 +399,17 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         if any(group.sharded for group in groups):
             return None
         self._grad_marks = None
-        if step_follows and inv_scale == 1.0 and self._can_defer() and \
+        # fp16 under the compiled update: the unscale is left to it (multiplied in as it reads each gradient); only
+        # a reciprocal in (0, 1] may wait, as x * inv cannot then overflow unseen after the check.
+        unscale_later = inv_scale == 1.0 or (0.0 < inv_scale < 1.0 and self._compiled_may_run())
+        if step_follows and unscale_later and self._can_defer() and \
                 not any(p.grad is not None and p.grad.is_sparse for p, _ in self._pairs):
             checked_grads = [p.grad for p, _ in self._pairs if p.grad is not None]
             copied = {id(m) for _, m in self._pairs}
             checked_grads += [m.grad for m in self.master_parameters() if id(m) not in copied and m.grad is not None]
             self._grads_synced = self._grads_deferred = True
-            return check_and_unscale_(checked_grads, 1.0)
+            self._deferred_inv = inv_scale
+            return check_and_unscale_(checked_grads, 1.0)  # (the check only: the low gradients keep their bits)
         found: dict[torch.device, torch.Tensor] = {}
         inverses: dict[torch.device, torch.Tensor] = {}
 
@@ -491,21 +547,60 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
             loss = True
         if not self._grads_synced and self._can_defer():
             self._grads_synced = self._grads_deferred = True  # (no check: the copy waits for the chunks)
+            self._deferred_inv = 1.0
         if not self._grads_deferred:
             self._sync_grads_to_masters()
         self._warn_if_clip_found_no_low_grads()
-        reason = self._step_chunked()
-        if reason is not None:
-            self._sync_grads_to_masters()  # (a deferred copy happens now)
-            with fused_sgd_guard(self.optimizer):
-                self.optimizer.step()
-            self._copy_masters_to_module()
-        self.last_step_route = "chunked" if reason is None else f"optimizer.step ({reason})"
+        not_compiled = self._step_compiled()
+        if not_compiled is None:
+            self.last_step_route = "compiled"
+        else:
+            if self._deferred_inv != 1.0:
+                self._copy_deferred_grads()  # (the unscale the compiled update would have done, done here)
+            reason = self._step_chunked()
+            if reason is not None:
+                self._sync_grads_to_masters()  # (a deferred copy happens now)
+                with fused_sgd_guard(self.optimizer):
+                    self.optimizer.step()
+                self._copy_masters_to_module()
+            route = "chunked" if reason is None else f"optimizer.step ({reason})"
+            self.last_step_route = route if not not_compiled else f"{route} (not compiled: {not_compiled})"
         if self._fp32_accum:
             self._free_master_grads()  # the next micro-batches start a new sum (and the 4 bytes/param are freed)
         self._grads_synced = self._grads_deferred = False
         self._grad_epoch += 1
         return loss
+
+    def _step_compiled(self) -> str | None:
+        """Step with the compiled update (:mod:`~amp_fx.runtime.compiled_update`); why not (nothing done) or None.
+
+        "" where the compiled update is off (``compiled_update=False``, or None over a module not compiled)."""
+        if self._compiled is None:
+            return ""
+        if self._fp32_accum:
+            return "fp32_grad_accumulation"
+        if has_user_step_hooks(self):
+            return "a step hook is registered on the MasterWeightOptimizer"
+        groups = self._copy_groups()
+        if any(group.sharded for group in groups):
+            return "sharded masters"
+        reason = why_not_compiled(self.optimizer)
+        if reason is not None:
+            return reason
+        sources: dict[int, torch.Tensor] = {}
+        if self._grads_deferred:
+            for group in groups:
+                group.grad_sources(sources)
+        inv = self._deferred_inv if self._grads_deferred else 1.0
+        written = self._compiled.step(self.optimizer, sources, self._low_of, inv)
+        if isinstance(written, str):
+            return written  # (nothing changed: the chunked or plain route steps)
+        with torch.no_grad():  # masters without a gradient: their low copy is rewritten too, as by the plain step
+            rest = [(p, m) for g in groups for p, m in zip(g.params, g.masters) if id(m) not in written]
+            if rest:
+                torch._foreach_copy_([p for p, _ in rest], [m for _, m in rest])
+        record(self._sync_entries)
+        return None
 
     def _step_chunked(self) -> str | None:
         """Step and copy back chunk by chunk (:mod:`~amp_fx.runtime.chunked_step`); why not (nothing done) or None."""
