@@ -73,6 +73,7 @@ _LAZY = {
     "FrozenTrainingWarning": ".converter.graph_module",
     "NoGradientsWarning": ".runtime.loss_scaler",
     "NoLowGradientsWarning": ".runtime.master_weights",
+    "CompiledUpdateWarning": ".runtime.compiled_update",
     "StaticShapeWarning": ".frontend.export_route",
     "HookWarning": ".graph_ops.hook_dispatch",
     "UndecidedCustomOpWarning": ".passes.assign_precision",
