@@ -81,6 +81,13 @@ class _SharedCastRead(torch.autograd.Function):
         return source_tangent.to(ctx.cast_dtype)
 
 
+class _SharedCastReadTraced(_SharedCastRead):
+    """:class:`_SharedCastRead` as Dynamo traces it, with torch's default jvp: Dynamo breaks the graph at a
+    Function that defines one, which would cut a compiled model at every shared cast."""
+
+    jvp = torch.autograd.Function.jvp
+
+
 def shared_cast_read(cast: Any, source: Any) -> Any:
     """One reader's read of ``cast`` (``source`` cast once, read by several ops): ``cast`` itself in forward.
 
@@ -95,7 +102,10 @@ def shared_cast_read(cast: Any, source: Any) -> Any:
         return _record(shared_cast_read, (cast, source), {})
     routed = (isinstance(cast, torch.Tensor) and isinstance(source, torch.Tensor) and torch.is_grad_enabled()
               and source.requires_grad and source.is_floating_point() and cast is not source and cast.dtype != source.dtype)
-    return _SharedCastRead.apply(cast.detach(), source) if routed else cast
+    if not routed:
+        return cast
+    function = _SharedCastReadTraced if torch.compiler.is_compiling() else _SharedCastRead
+    return function.apply(cast.detach(), source)
 
 
 shared_cast_read._amp_fx_op = "alias"  # op_keys reads this: a view of its first argument, no arithmetic

@@ -30,7 +30,8 @@ Function runs; with batched weights (model ensembles) it runs the cast form.
 Forward-mode AD (``jvp``, ``jacfwd``) raises an ``AmpNotImplementedError``
 that names the fix: convert with ``fuse_precision=False``.
 
-torch.compile: the Function is no barrier to an inner compiler.  AOTAutograd
+torch.compile: the Function is no barrier to an inner compiler.  Under Dynamo a subclass without the
+``jvp`` runs (Dynamo breaks the graph at a Function that defines one), and AOTAutograd
 traces it into ``native_layer_norm``, ``native_layer_norm_backward`` and
 ``_to_copy`` (aten ops), which inductor decomposes and fuses with their
 neighbours as it does autocast's ``layer_norm`` (``tests/dynamo/
@@ -75,7 +76,13 @@ def _affine(x: torch.Tensor, normalized_shape: tuple, weight: Optional[torch.Ten
 
 
 def _wrapped(t: torch.Tensor) -> bool:
-    """True for a tensor a torch.func transform wraps (batched, or tracked by an inner ``grad``)."""
+    """True for a tensor a torch.func transform wraps (batched, or tracked by an inner ``grad``).
+
+    Under Dynamo, False: it cannot trace the functorch query, and the backward it traces is decomposed by
+    AOTAutograd into ops that run on mixed dtypes (a transform around a compiled model wraps the compiled call).
+    """
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._functorch.maybe_get_level(t) != -1
 
 
@@ -160,6 +167,17 @@ class LayerNormFp32Stats(torch.autograd.Function):
         return (out.to(x.dtype), mean, rstd), (0, 0, 0)
 
 
+class _LayerNormFp32StatsTraced(LayerNormFp32Stats):
+    """:class:`LayerNormFp32Stats` as Dynamo traces it: the same forward, backward and vmap, torch's default jvp.
+
+    Dynamo graph-breaks at an ``autograd.Function`` that defines ``jvp`` (even one that only raises), which would
+    cut a compiled model into one graph per fused norm, with eager code between them that no inner compiler fuses.
+    torch's default jvp refuses forward-mode AD too, with torch's own message.
+    """
+
+    jvp = torch.autograd.Function.jvp
+
+
 def layer_norm_fp32_stats(input: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor] = None,
                           bias: Optional[torch.Tensor] = None, eps: float = 1e-5) -> torch.Tensor:
     """``F.layer_norm`` of a low-precision input with fp32 weight/bias, precise as the cast form (see module docstring).
@@ -171,7 +189,8 @@ def layer_norm_fp32_stats(input: torch.Tensor, normalized_shape: Sequence[int], 
         return _record(layer_norm_fp32_stats, (input, normalized_shape, weight, bias, eps), {})
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
-    return LayerNormFp32Stats.apply(input, tuple(normalized_shape), weight, bias, eps)[0]
+    function = _LayerNormFp32StatsTraced if torch.compiler.is_compiling() else LayerNormFp32Stats
+    return function.apply(input, tuple(normalized_shape), weight, bias, eps)[0]
 
 
 # Generated code (print, to_folder, pickles) names it as a builtin imported from this module.
