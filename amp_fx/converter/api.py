@@ -31,6 +31,7 @@ from amp_fx.ir.pass_manager import PassContext
 from amp_fx.converter.pipeline import rewrite_graph
 from amp_fx.converter.specialisations import attach_specialisations
 from amp_fx.ir.policy import Policy
+from amp_fx.frontend.compiled_modules import compiled_like, is_compiled, unwrap_compiled
 from amp_fx.frontend.module_hooks import CALLED_ATTR
 from amp_fx.frontend.tracing import _TRACE_LOCK, DEFAULTS_ATTR, AmpTraceError, building_a_graph, trace_model
 from amp_fx.converter.call_capture import capture_from_call, is_captured
@@ -180,11 +181,13 @@ def convert(
     cache_casts: Optional[Union[bool, str]] = None,
     dynamic_shapes: Any = None,
     fp8: Any = None,
-) -> AmpGraphModule:
+) -> "AmpGraphModule | nn.Module":
     """Return ``model`` rewritten for mixed precision at Apex level ``level`` (O0-O3).
 
     Args:
-        model: the module to convert; it is never mutated.
+        model: the module to convert; it is never mutated. A ``torch.compile``d
+            module: the module inside is converted, and the result is compiled
+            with the same settings (``torch.compile(amp_fx.convert(model))``).
         level: ``"O0"`` (unchanged, fp32), ``"O1"`` (op tables decide; fp32
             parameters cast once per forward), ``"O2"`` (low parameters and
             graph, norms fp32, fp32 master weights), ``"O3"`` (everything low).
@@ -245,6 +248,11 @@ def convert(
     """
     options = {k: v for k, v in locals().items() if k != "model"}  # convert's arguments, for a rebuild
     _check_model(model)
+    if is_compiled(model):
+        # torch.compile(model): what runs is the module inside; convert it and compile the result the same way
+        # (converting the wrapper would trace Dynamo's frame, and the result's parameters would not be those its
+        # forward reads).
+        return compiled_like(model, convert(unwrap_compiled(model), **options))
     _check_inputs(example_inputs, example_kwarg_inputs)
     config, device = _config_for(model, options)
     policy = _policy_for(policy, config)

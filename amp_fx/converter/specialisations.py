@@ -255,7 +255,7 @@ class Specialisations:
         if built:
             if key in self.failures:  # refused before: no second conversion to find that out
                 raise UntraceableCallError(self.failures[key])
-            entry = self._build(gm, key, args, kwargs)
+            entry = _build_eagerly(self, gm, key, args, kwargs)
             self.graphs[key] = entry
         gm.graph = entry.graph  # recompiles forward from the kept graph
         if built:
@@ -372,6 +372,13 @@ def attach_specialisations(gm: fx.GraphModule, model: nn.Module, route: str, exa
 
 
 # -- a built graph made the module's own ------------------------------------------------
+@torch.compiler.disable
+def _build_eagerly(specs: "Specialisations", gm: fx.GraphModule, key: Any, args: tuple, kwargs: dict) -> "_Graph":
+    """``specs._build``, run eagerly under ``torch.compile(gm)``: Dynamo would otherwise trace the conversion op
+    by op (several graphs and graph breaks, tens of seconds for GPT-2) at the first call in a new mode."""
+    return specs._build(gm, key, args, kwargs)
+
+
 def adopt_graph(gm: fx.GraphModule, new: fx.GraphModule, own: frozenset, modules: frozenset, renamed: int) -> int:
     """Point ``new``'s graph at ``gm``'s own parameters, buffers and modules; move its constants over.
 

@@ -29,6 +29,7 @@ from lightning.pytorch.plugins.precision import Precision
 
 from amp_fx.converter.api import convert
 from amp_fx.converter.graph_module import AmpGraphModule
+from amp_fx.frontend.compiled_modules import unwrap_compiled
 from amp_fx.errors import PACKAGE, AmpError, AmpTypeError, AmpValueError, did_you_mean
 from amp_fx.ir.config import LEVELS
 from amp_fx.runtime import LossScaler, MasterWeightOptimizer
@@ -119,7 +120,7 @@ class AmpFxPrecision(Precision):
         self.module_options = {name: dict(options) for name, options in per_module.items()}
         self.convert_options = dict(convert_options)
         self.scaler = scaler if scaler is not None else LossScaler(dtype=self.dtype, level=level)
-        self.converted: dict[str, AmpGraphModule] = {}
+        self.converted: dict[str, nn.Module] = {}  # an AmpGraphModule, or torch.compile of one
 
     # ------------------------------------------------------------ conversion
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -129,7 +130,7 @@ class AmpFxPrecision(Precision):
             _refuse_ties_across(module, targets, self.level)
         for name in targets:
             child = module.get_submodule(name)
-            if not isinstance(child, AmpGraphModule):  # fit() called again: converted the first time
+            if not isinstance(unwrap_compiled(child), AmpGraphModule):  # fit() called again: converted the first time
                 options = {**self.convert_options, **self.module_options.get(name, {})}
                 try:
                     child = convert(child, self.level, dtype=self.dtype, **options)
@@ -171,7 +172,8 @@ class AmpFxPrecision(Precision):
         if isinstance(optimizer, MasterWeightOptimizer):
             return optimizer
         owners: dict[int, tuple[str, nn.Parameter, torch.Tensor]] = {}  # low param or master -> (key, low, master)
-        for prefix, gm in self.converted.items():
+        for prefix, converted in self.converted.items():
+            gm = unwrap_compiled(converted)  # a compiled submodule stays compiled, converted inside (amp_fx.convert)
             masters = getattr(gm, "amp_fx_masters", {})
             for name, param in gm.named_parameters():
                 master = masters.get(name)

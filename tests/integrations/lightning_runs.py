@@ -52,10 +52,14 @@ class _Losses(pl.Callback):
 
 
 def fit(epochs: int, *, precision: str | None = None, plugin=None, ckpt_path=None, save_to=None,
-        gradient_clip_val=None, poison_step=None, weights=None):
-    """Train a fresh TinyRegressor (seed 0) for ``epochs`` epochs; return (losses, module, trainer)."""
+        gradient_clip_val=None, poison_step=None, weights=None, compile_child=False):
+    """Train a fresh TinyRegressor (seed 0) for ``epochs`` epochs; return (losses, module, trainer).
+
+    ``compile_child``: the module's child is ``torch.compile(child, backend="aot_eager")``, as a user compiles it."""
     torch.manual_seed(0)
     module = TinyRegressor(poison_step)
+    if compile_child:
+        module.model = torch.compile(module.model, backend="aot_eager")
     losses = _Losses(weights)
     kwargs = dict(precision=precision) if precision else dict(plugins=[plugin])
     trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,

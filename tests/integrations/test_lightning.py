@@ -283,3 +283,15 @@ def test_a_weight_tied_across_two_converted_children_is_refused_at_o2():
     module = Tied()
     trainer("O1").fit(module, data())
     assert module.out.weight is module.tied.weight  # at O1 both conversions read the one fp32 parameter
+
+
+def test_a_compiled_child_trains_as_the_uncompiled_one_at_o2():
+    """self.model = torch.compile(model): the plugin converts the module inside, the child stays compiled, and the
+    optimizer steps its fp32 masters with the clip applied: the same losses bit for bit (aot_eager runs eager's
+    kernels). Before, the converted wrapper's listed parameters were copies the forward never read."""
+    expected, _, _ = fit(1, plugin=AmpFxPrecision("O2"), gradient_clip_val=0.05)
+    losses, module, trainer = fit(1, plugin=AmpFxPrecision("O2"), gradient_clip_val=0.05, compile_child=True)
+    assert losses == expected and len(losses) == 10
+    assert type(module.model).__name__ == "OptimizedModule"
+    assert isinstance(module.model._orig_mod, amp_fx.AmpGraphModule)
+    assert isinstance(trainer.optimizers[0], amp_fx.MasterWeightOptimizer)
