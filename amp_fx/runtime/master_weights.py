@@ -465,6 +465,10 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
                 group.copy_masters_to_params()
         record(self._sync_entries)  # the low copies hold their masters: no re-copy at the next call (core/master_sync.py)
 
+    # Dynamo runs it eagerly: torch.compile(lambda: mw.step()) (torch's compiled-optimizer recipe) would otherwise
+    # trace the chunked step's in-place fused kernels over the masters and fail to functionalize them; eagerly,
+    # the step is the same as uncompiled, and the compiled update's own torch.compile still compiles inside it.
+    @torch.compiler.disable
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Step the masters with the wrapped optimizer and copy them into the module.
 
