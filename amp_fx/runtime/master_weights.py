@@ -107,7 +107,7 @@ from . import fp32_grad_accumulation as fp32_accum
 from . import grad_edits
 from .dtensors import is_dtensor, local_tensor, refuse_replaced_params
 from .chunked_step import chunked_step, has_user_step_hooks, why_not_chunked
-from .compiled_update import CompiledUpdate, why_not_compiled
+from .compiled_update import CompiledUpdate, check_compiled_update, why_not_compiled
 from .master_copies import CopyGroup, group_pairs
 from .master_mapping import MasterMapping, check_fp32_accumulation, check_module
 from .overflow import check_and_unscale_, grads_of
@@ -190,9 +190,7 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         compiled_update: bool | str | None = None,
     ) -> None:
         check_inner_optimizer(optimizer, "MasterWeightOptimizer")
-        if compiled_update is not None and not isinstance(compiled_update, (bool, str)):
-            raise AmpValueError(
-                f"compiled_update must be True, False, None or a torch.compile backend name, got {compiled_update!r}")
+        check_compiled_update(compiled_update)
         if compiled_update is None:  # on where the user chose compilation for the module
             backend, strict = ("inductor" if is_compiled(module) else None), False
         else:

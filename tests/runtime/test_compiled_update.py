@@ -372,3 +372,17 @@ def test_torch_compile_around_the_step_steps_as_uncompiled():
     for a, b in zip(tensors, compiled_tensors):
         assert torch.equal(a, b)
     assert runs[True, "aot_eager"][2][1:] == ["compiled"] * 2  # (its numerics: the tests above)
+
+
+@pytest.mark.parametrize("value, match", [
+    ("aot_eagr", r"compiled_update='aot_eagr' is not a torch.compile backend.*Did you mean 'aot_eager'"),
+    ("True", r"compiled_update='True' is not a torch.compile backend.*compiled_update=True, not the string 'True'"),
+])
+def test_unknown_backend_is_refused_at_construction(value, match):
+    """A misspelt backend (or a bool passed as a string) is refused when the wrapper is built, naming the close
+    matches, not at the second step where the update first compiles."""
+    model = make_model()
+    gm = amp_fx.convert(model, "O2", dtype=torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(AmpValueError, match=match):
+        amp_fx.MasterWeightOptimizer(opt, gm, compiled_update=value)
