@@ -457,6 +457,14 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         if self._fp32_accum:
             self._free_master_grads()
 
+    def _compile_update_by_default(self) -> None:
+        """Do what ``compiled_update=None`` does over a ``torch.compile``d module: inductor, a failed compile warns.
+
+        For ``amp_fx.initialize`` given a compiled model: the wrapper it builds holds the converted module (or a
+        view of some of its parameters), not the compiled one, so it cannot see that compilation was chosen."""
+        if self._compiled is None:
+            self._compiled = CompiledUpdate("inductor", strict=False)
+
     def _copy_masters_to_module(self) -> None:
         with torch.no_grad():
             for group in self._copy_groups():
