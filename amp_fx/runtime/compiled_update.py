@@ -21,8 +21,9 @@ baked in: a new set compiles again, up to :data:`MAX_VARIANTS` per optimizer, th
 
 It applies where the chunked step would run its kernels itself (exactly SGD, Adam or AdamW, CPU fp32 masters,
 no user step hook, ``optimizer.step`` not replaced but by an LR scheduler, not capturable or differentiable),
-whatever ``foreach``/``fused`` say, and once the optimizer state exists: the first step (SGD's momentum buffer
-is the first gradient, Adam's moments start at zero) runs the chunked or plain route, which makes it.
+whatever ``foreach``/``fused`` say, and once the optimizer state exists: the first step of SGD with momentum (its
+buffer is the first gradient) or Adam (its moments start at zero) runs the chunked or plain route, which makes it;
+plain SGD has no state and compiles on its first step.
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ tensor at a time there; see :mod:`amp_fx.runtime.step_impl`); pass
 
 * **compiled** (``compiled_update=True``/a backend name, or by default over a
   ``torch.compile``d module; :mod:`amp_fx.runtime.compiled_update`): SGD, Adam
-  or AdamW on CPU fp32 masters, from the second step on, one compiled pass per
+  or AdamW on CPU fp32 masters, once the optimizer state exists (from the second
+  step on; plain SGD from the first), one compiled pass per
   parameter group reads the low gradients as they are and writes optimizer
   state, master and low parameter; within a few ulp of the chunked route.
 * **chunked** (:mod:`amp_fx.runtime.chunked_step`: fused SGD/Adam/AdamW, CPU
@@ -167,11 +168,14 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
             ``None`` (default): inductor where ``module`` is a
             ``torch.compile``d module (compilation was chosen), else never.
             ``True``/a string refuse what it cannot step (fp32_grad_accumulation,
-            sharded or non-CPU masters, another optimizer class); a compile that
+            sharded or non-CPU masters, another optimizer class), and a string
+            that names no registered backend; a compile that
             fails raises there, and under ``None`` warns once
             (:class:`~amp_fx.runtime.compiled_update.CompiledUpdateWarning`) and
-            steps the chunked route. The first step runs the chunked or plain
-            route (it makes the optimizer state).
+            steps the chunked route. The first step of SGD with momentum, Adam
+            or AdamW runs the chunked or plain route (it makes the optimizer
+            state). Dynamo runs :meth:`step` eagerly: to compile the update, pass
+            this, not ``torch.compile(lambda: mw.step())``.
 
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own
     objects, so LR schedulers built over this wrapper (or over the wrapped
