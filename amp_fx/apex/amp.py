@@ -178,8 +178,10 @@ def initialize(
             ``cast_model_outputs``, ``num_losses``, ``min_loss_scale``,
             ``max_loss_scale``, ``verbosity``; ``dtype=`` (the low dtype);
             ``fp32_grad_accumulation=True`` (O2: micro-batch gradients summed in the
-            fp32 masters, :class:`~amp_fx.runtime.MasterWeightOptimizer`); and any
-            other keyword of :func:`amp_fx.convert` (``policy=``, ...).
+            fp32 masters, :class:`~amp_fx.runtime.MasterWeightOptimizer`);
+            ``compiled_update=`` (O2: that wrapper's option; left None, it is on
+            where the model given was ``torch.compile``d); and any other keyword
+            of :func:`amp_fx.convert` (``policy=``, ...).
 
     Returns:
         The converted model(s), and when ``optimizers`` was given the fitted
@@ -227,7 +229,8 @@ def initialize(
     for optimizer in opt_list:
         result, record = fit_optimizer(
             optimizer, owners, converted, cast_params=props.cast_params, master_weights=props.master_weights,
-            fp32_grad_accumulation=props.fp32_grad_accumulation)
+            fp32_grad_accumulation=props.fp32_grad_accumulation, compiled_update=props.compiled_update,
+            compiled_model=any(ctx is not None for ctx in recompile))
         record.session = session
         setattr(result, _STASH, record)
         fitted.append(result)

@@ -64,8 +64,14 @@ def fit_optimizer(
     cast_params: bool,
     master_weights: bool,
     fp32_grad_accumulation: bool = False,
+    compiled_update: bool | str | None = None,
+    compiled_model: bool = False,
 ) -> tuple[Any, "OptimizerRecord"]:
-    """Return (the optimizer the user should step, its record) for the level's parameter layout."""
+    """Return (the optimizer the user should step, its record) for the level's parameter layout.
+
+    ``compiled_update``: the wrapper's (O2). ``compiled_model``: a model was given ``torch.compile``d, so None turns
+    the compiled update on as over a compiled module (the wrapper holds the converted module, not the compiled one).
+    """
     prefix = len(converted) > 1  # names must stay unique across models
     module_params: dict[int, nn.Parameter] = {}  # id(original) -> converted module's tensor
     names: dict[int, str] = {}
@@ -90,7 +96,10 @@ def fit_optimizer(
             # The optimizer steps parameters of several models, or part of one: give the wrapper a
             # module holding exactly those (it refuses trainable parameters no group holds).
             module = _view_module({names[id(p)]: module_params[id(p)] for p in params}, module.amp_config)
-        wrapped = MasterWeightOptimizer(optimizer, module, masters=masters, fp32_grad_accumulation=fp32_grad_accumulation)
+        wrapped = MasterWeightOptimizer(optimizer, module, masters=masters, fp32_grad_accumulation=fp32_grad_accumulation,
+                                        compiled_update=compiled_update)
+        if compiled_update is None and compiled_model:
+            wrapped._compile_update_by_default()
         wrapped._resolve = _resolver(owners, converted, prefix)
         return wrapped, OptimizerRecord(wrapped, masters=True)
     # No masters: the optimizer steps the low-precision tensors the module runs with.

@@ -18,6 +18,7 @@ import torch
 from amp_fx.converter.api import convert
 from amp_fx.ir.config import LEVELS, AmpConfig, make_config, parse_dtype
 from amp_fx.runtime import LossScaler
+from amp_fx.runtime.compiled_update import check_compiled_update
 from amp_fx.errors import PACKAGE, AmpTypeError, AmpValueError, did_you_mean
 
 __all__ = ["AmpProperties", "resolve_properties", "build_scalers", "reported_loss_scale", "APEX_PROPERTIES",
@@ -28,7 +29,7 @@ APEX_PROPERTIES = (
     "num_losses", "min_loss_scale", "max_loss_scale", "verbosity", "dtype",
 )
 # amp_fx's own options of the optimizer initialize fits (not Apex's): MasterWeightOptimizer's keywords.
-OPTIMIZER_PROPERTIES = ("fp32_grad_accumulation",)
+OPTIMIZER_PROPERTIES = ("fp32_grad_accumulation", "compiled_update")
 # Every other keyword convert() takes is passed through (policy=, leaf_modules=, ...).
 _CONVERT_KEYWORDS = tuple(
     name for name, p in inspect.signature(convert).parameters.items()
@@ -55,6 +56,8 @@ class AmpProperties:
     verbosity: int = 1
     cast_params: bool = False
     fp32_grad_accumulation: bool = False
+    # MasterWeightOptimizer's compiled_update= (None: on where the model given was torch.compile'd).
+    compiled_update: Union[bool, str, None] = None
 
     def describe(self) -> str:
         """One line naming every property, as Apex printed at initialize."""
@@ -152,6 +155,7 @@ def resolve_properties(opt_level: str, properties: dict[str, Any]) -> AmpPropert
         raise AmpValueError(f"min_loss_scale={min_s} is above max_loss_scale={max_s}")
     verbosity = int(props.pop("verbosity", 1) or 0)
     accumulate = _fp32_accumulation(level, bool(master) and preset.cast_params, props.pop("fp32_grad_accumulation", False))
+    compiled_update = _compiled_update(level, bool(master) and preset.cast_params, props.pop("compiled_update", None))
     cast_outputs = props.pop("cast_model_outputs", None)
     convert_kwargs = dict(props, dtype=dtype, keep_batchnorm_fp32=keep_bn, cast_model_outputs=cast_outputs)
     make_config(level, **{k: v for k, v in convert_kwargs.items() if k in _CONFIG_FIELDS})  # validate early
@@ -159,7 +163,7 @@ def resolve_properties(opt_level: str, properties: dict[str, Any]) -> AmpPropert
         level=level, convert_kwargs=convert_kwargs, master_weights=bool(master) and preset.cast_params,
         loss_scale=loss_scale, loss_scale_explicit=explicit_scale, num_losses=num_losses,
         min_loss_scale=min_s, max_loss_scale=max_s, verbosity=verbosity, cast_params=preset.cast_params,
-        fp32_grad_accumulation=accumulate,
+        fp32_grad_accumulation=accumulate, compiled_update=compiled_update,
     )
 
 
@@ -174,6 +178,18 @@ def _fp32_accumulation(level: str, masters: bool, value: Any) -> bool:
             f"fp32_grad_accumulation=True at opt_level={level}"
             f"{' with master_weights=False' if level == 'O2' else ''}: {why}. Use opt_level='O2' with master "
             "weights (the default) to accumulate gradients in fp32, or leave the option out.")
+    return value
+
+
+def _compiled_update(level: str, masters: bool, value: Any) -> Union[bool, str, None]:
+    """Check ``compiled_update`` as MasterWeightOptimizer does; asking for it needs O2's masters (it steps them)."""
+    check_compiled_update(value)
+    if value is not None and value is not False and not masters:
+        raise AmpValueError(
+            f"compiled_update={value!r} at opt_level={level}"
+            f"{' with master_weights=False' if level == 'O2' else ''}: the compiled update steps O2's fp32 master "
+            "weights, and this setup has none (the optimizer steps the parameters itself). Use opt_level='O2' with "
+            "master weights (the default), or leave the option out.")
     return value
 
 

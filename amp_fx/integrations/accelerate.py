@@ -35,6 +35,7 @@ import accelerate
 from amp_fx.converter.api import convert
 from amp_fx.errors import AmpTypeError, AmpValueError
 from amp_fx.runtime import LossScaler, MasterWeightOptimizer
+from amp_fx.runtime.modules import is_compiled
 
 __all__ = ["prepare", "AcceleratedLossScaler"]
 
@@ -157,6 +158,10 @@ def prepare(accelerator: "accelerate.Accelerator", model: nn.Module, optimizer: 
         scaler = AcceleratedLossScaler.adopt(scaler, accelerator)  # the returned one follows accelerator.accumulate()
     prepared_model, prepared_opt, *prepared = accelerator.prepare(converted, optimizer, *others)
     if isinstance(optimizer, MasterWeightOptimizer):
+        if is_compiled(prepared_model):
+            # Accelerator(dynamo_backend=...) compiled the model: compilation was chosen, so the update is compiled
+            # too, as MasterWeightOptimizer(compiled_update=None) does over a compiled module.
+            optimizer._compile_update_by_default()
         if prepared_opt is not optimizer:
             # LossScaler finds the masters through AcceleratedOptimizer.optimizer; the user clips them by this name.
             prepared_opt.master_parameters = optimizer.master_parameters

@@ -21,8 +21,9 @@ baked in: a new set compiles again, up to :data:`MAX_VARIANTS` per optimizer, th
 
 It applies where the chunked step would run its kernels itself (exactly SGD, Adam or AdamW, CPU fp32 masters,
 no user step hook, ``optimizer.step`` not replaced but by an LR scheduler, not capturable or differentiable),
-whatever ``foreach``/``fused`` say, and once the optimizer state exists: the first step (SGD's momentum buffer
-is the first gradient, Adam's moments start at zero) runs the chunked or plain route, which makes it.
+whatever ``foreach``/``fused`` say, and once the optimizer state exists: the first step of SGD with momentum (its
+buffer is the first gradient) or Adam (its moments start at zero) runs the chunked or plain route, which makes it;
+plain SGD has no state and compiles on its first step.
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ from typing import Any, Callable
 
 import torch
 
-from amp_fx.errors import AmpRuntimeError, AmpWarning
+from amp_fx.errors import AmpRuntimeError, AmpValueError, AmpWarning, did_you_mean
 
 from .chunked_step import has_user_step_hooks, instance_step_ok, post_hooks, pre_hooks
 
-__all__ = ["MAX_VARIANTS", "CompiledUpdate", "CompiledUpdateWarning", "why_not_compiled"]
+__all__ = ["MAX_VARIANTS", "CompiledUpdate", "CompiledUpdateWarning", "check_compiled_update", "why_not_compiled"]
 
 # Graphs one optimizer may compile (each is a dynamo cache entry; dynamo's own limit is 8 per function).
 MAX_VARIANTS = 6
@@ -50,6 +51,31 @@ class CompiledUpdateWarning(AmpWarning):
     """The compiled update failed to compile (no C++ compiler for inductor, a backend error): the step runs
     the chunked or plain route from then on. Pass ``compiled_update=False`` to silence it, or a backend that
     works here (``compiled_update="aot_eager"``)."""
+
+
+def check_compiled_update(value: Any) -> None:
+    """Refuse a ``compiled_update=`` that is not True, False, None or the name of a registered ``torch.compile`` backend.
+
+    Checked where it is given (``MasterWeightOptimizer``, ``amp_fx.initialize``), not at the second step, where the
+    update first compiles: a misspelt backend would otherwise run one step and then fail.
+    """
+    if value is not None and not isinstance(value, (bool, str)):
+        raise AmpValueError(
+            f"compiled_update must be True, False, None or a torch.compile backend name, got {value!r}")
+    if not isinstance(value, str):
+        return
+    from torch._dynamo import list_backends  # (registered ones, including plugins' entry points, by name)
+
+    names = list_backends(exclude_tags=())
+    if value in names:
+        return
+    if value.lower() in ("true", "false", "none"):
+        hint = f" Pass the Python value compiled_update={value.capitalize()}, not the string {value!r}."
+    else:
+        hint = did_you_mean(value, names) + f" Backends registered here: {list_backends()}."
+    raise AmpValueError(
+        f"compiled_update={value!r} is not a torch.compile backend registered here (torch.compile(backend={value!r}) "
+        f"would raise InvalidBackend).{hint} compiled_update=True is inductor; \"aot_eager\" needs no C++ compiler.")
 
 
 def why_not_compiled(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor] | None = None) -> str | None:

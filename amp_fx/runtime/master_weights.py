@@ -38,7 +38,8 @@ tensor at a time there; see :mod:`amp_fx.runtime.step_impl`); pass
 
 * **compiled** (``compiled_update=True``/a backend name, or by default over a
   ``torch.compile``d module; :mod:`amp_fx.runtime.compiled_update`): SGD, Adam
-  or AdamW on CPU fp32 masters, from the second step on, one compiled pass per
+  or AdamW on CPU fp32 masters, once the optimizer state exists (from the second
+  step on; plain SGD from the first), one compiled pass per
   parameter group reads the low gradients as they are and writes optimizer
   state, master and low parameter; within a few ulp of the chunked route.
 * **chunked** (:mod:`amp_fx.runtime.chunked_step`: fused SGD/Adam/AdamW, CPU
@@ -107,7 +108,7 @@ from . import fp32_grad_accumulation as fp32_accum
 from . import grad_edits
 from .dtensors import is_dtensor, local_tensor, refuse_replaced_params
 from .chunked_step import chunked_step, has_user_step_hooks, why_not_chunked
-from .compiled_update import CompiledUpdate, why_not_compiled
+from .compiled_update import CompiledUpdate, check_compiled_update, why_not_compiled
 from .master_copies import CopyGroup, group_pairs
 from .master_mapping import MasterMapping, check_fp32_accumulation, check_module
 from .overflow import check_and_unscale_, grads_of
@@ -167,11 +168,14 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
             ``None`` (default): inductor where ``module`` is a
             ``torch.compile``d module (compilation was chosen), else never.
             ``True``/a string refuse what it cannot step (fp32_grad_accumulation,
-            sharded or non-CPU masters, another optimizer class); a compile that
+            sharded or non-CPU masters, another optimizer class), and a string
+            that names no registered backend; a compile that
             fails raises there, and under ``None`` warns once
             (:class:`~amp_fx.runtime.compiled_update.CompiledUpdateWarning`) and
-            steps the chunked route. The first step runs the chunked or plain
-            route (it makes the optimizer state).
+            steps the chunked route. The first step of SGD with momentum, Adam
+            or AdamW runs the chunked or plain route (it makes the optimizer
+            state). Dynamo runs :meth:`step` eagerly: to compile the update, pass
+            this, not ``torch.compile(lambda: mw.step())``.
 
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own
     objects, so LR schedulers built over this wrapper (or over the wrapped
@@ -190,9 +194,7 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         compiled_update: bool | str | None = None,
     ) -> None:
         check_inner_optimizer(optimizer, "MasterWeightOptimizer")
-        if compiled_update is not None and not isinstance(compiled_update, (bool, str)):
-            raise AmpValueError(
-                f"compiled_update must be True, False, None or a torch.compile backend name, got {compiled_update!r}")
+        check_compiled_update(compiled_update)
         if compiled_update is None:  # on where the user chose compilation for the module
             backend, strict = ("inductor" if is_compiled(module) else None), False
         else:
@@ -459,12 +461,24 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         if self._fp32_accum:
             self._free_master_grads()
 
+    def _compile_update_by_default(self) -> None:
+        """Do what ``compiled_update=None`` does over a ``torch.compile``d module: inductor, a failed compile warns.
+
+        For ``amp_fx.initialize`` given a compiled model: the wrapper it builds holds the converted module (or a
+        view of some of its parameters), not the compiled one, so it cannot see that compilation was chosen."""
+        if self._compiled is None:
+            self._compiled = CompiledUpdate("inductor", strict=False)
+
     def _copy_masters_to_module(self) -> None:
         with torch.no_grad():
             for group in self._copy_groups():
                 group.copy_masters_to_params()
         record(self._sync_entries)  # the low copies hold their masters: no re-copy at the next call (core/master_sync.py)
 
+    # Dynamo runs it eagerly: torch.compile(lambda: mw.step()) (torch's compiled-optimizer recipe) would otherwise
+    # trace the chunked step's in-place fused kernels over the masters and fail to functionalize them; eagerly,
+    # the step is the same as uncompiled, and the compiled update's own torch.compile still compiles inside it.
+    @torch.compiler.disable
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Step the masters with the wrapped optimizer and copy them into the module.
 

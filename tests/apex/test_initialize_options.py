@@ -112,3 +112,68 @@ def test_amp_config_reports_the_loss_scale_the_scaler_uses(kwargs):
         assert reported == "dynamic", (kwargs, reported)
     else:
         assert reported == scaler.get_scale(), (kwargs, reported)
+
+
+def _train_compiled_update(model, opt, gm, steps=3):
+    """Bare bf16 steps (no scaler) of ``opt``; the route each step took."""
+    routes = []
+    for step in range(steps):
+        x, y = _micro_batches(step)[0]
+        opt.zero_grad()
+        _loss(gm, x, y).backward()
+        opt.step()
+        routes.append(opt.last_step_route)
+    return routes
+
+
+def test_initialize_takes_compiled_update_as_the_hand_built_wrapper():
+    """initialize(..., compiled_update="aot_eager") (issue 41: refused as an unknown property before) steps as
+    MasterWeightOptimizer(compiled_update="aot_eager") built by hand: the same routes, and bit for bit the same
+    masters (the same eager kernels run on both sides)."""
+    model = _model()
+    gm, opt = amp_fx.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2", dtype=torch.bfloat16,
+                                verbosity=0, compiled_update="aot_eager")
+    routes = _train_compiled_update(model, opt, gm)
+    by_hand = _model()
+    hand_gm = amp_fx.convert(by_hand, "O2", dtype=torch.bfloat16)
+    hand_opt = amp_fx.MasterWeightOptimizer(torch.optim.AdamW(by_hand.parameters(), lr=1e-2), hand_gm,
+                                            compiled_update="aot_eager")
+    assert routes == _train_compiled_update(by_hand, hand_opt, hand_gm)
+    assert routes[0].startswith("chunked (not compiled: ") and routes[1:] == ["compiled"] * 2
+    params = list(model.parameters())
+    assert len(params) == 8
+    for p, q in zip(params, by_hand.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("compiled_update, route", [
+    (None, "chunked (not compiled: SGD's first step makes the momentum buffers"),  # on: it only waits for state
+    (False, "chunked"),
+])
+def test_initialize_over_a_compiled_model_turns_the_compiled_update_on(compiled_update, route):
+    """initialize(torch.compile(model), ...) at O2: compiled_update left None is on, as MasterWeightOptimizer over a
+    compiled module (before: off, the wrapper saw the converted module inside); False keeps it off. One SGD step
+    (nothing compiles: the first step makes the momentum the compiled update reads) shows which."""
+    model = _model()
+    options = {} if compiled_update is None else {"compiled_update": compiled_update}
+    cm, opt = amp_fx.initialize(torch.compile(model, backend="aot_eager"),
+                                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), "O2",
+                                dtype=torch.bfloat16, verbosity=0, **options)
+    assert isinstance(cm, torch._dynamo.eval_frame.OptimizedModule)
+    routes = _train_compiled_update(model, opt, cm, steps=1)
+    assert routes[0] == route if compiled_update is False else routes[0].startswith(route)
+
+
+@pytest.mark.parametrize("level, options, match", [
+    ("O2", {"compiled_update": "aot_eagr"}, r"not a torch.compile backend.*Did you mean 'aot_eager'"),
+    ("O2", {"compiled_update": 1}, "compiled_update must be True, False, None or a torch.compile backend name"),
+    ("O3", {"compiled_update": True}, "has none"),
+    ("O2", {"compiled_update": "aot_eager", "master_weights": False}, "master_weights=False"),
+    ("O1", {"compiled_update": True}, "has none"),
+])
+def test_initialize_refuses_a_compiled_update_it_cannot_use(level, options, match):
+    """The wrapper's own check (a bad value or backend name), and asking for it where no masters are stepped."""
+    model = _model()
+    with pytest.raises(amp_fx.AmpValueError, match=match):
+        amp_fx.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), level, dtype=torch.bfloat16,
+                          verbosity=0, **options)

@@ -219,3 +219,24 @@ def test_o2_clipping_the_masters_without_unscale_clips(spelling, dtype):
         assert all(torch.equal(a, b) for a, b in zip(clipped, reference))
         if clip == "norm":
             assert float(ret) == float(ref_ret) > 1e-3  # the true norm, and the clip engaged
+
+
+@pytest.mark.parametrize("dynamo_backend, route", [
+    ("aot_eager", "chunked (not compiled: SGD's first step makes the momentum buffers"),  # on: it waits for state
+    ("no", "chunked"),
+])
+def test_o2_dynamo_backend_turns_the_compiled_update_on(dynamo_backend, route):
+    """Accelerator(dynamo_backend=...) compiles the prepared model: at O2 the masters' update is then compiled too,
+    as MasterWeightOptimizer over a compiled module (issue 41: it stayed off). One SGD step shows it is on without
+    compiling anything (the first step makes the momentum the compiled update reads)."""
+    accelerate.state.AcceleratorState._reset_state(True)
+    accelerate.state.GradientState._reset_state()
+    accelerator = accelerate.Accelerator(cpu=True, dynamo_backend=dynamo_backend)
+    model, _, loader = _setup()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt, scaler, loader = prepare(accelerator, model, opt, loader, level="O2", dtype="bf16")
+    assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule) == (dynamo_backend != "no")
+    _train(model, opt, loader, accelerator, scaler, steps=1)
+    wrapper = opt.optimizer
+    assert isinstance(wrapper, amp_fx.MasterWeightOptimizer)
+    assert wrapper.last_step_route == route if dynamo_backend == "no" else wrapper.last_step_route.startswith(route)

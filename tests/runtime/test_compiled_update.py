@@ -341,3 +341,48 @@ def test_inductor_default_over_a_compiled_module():
         assert_close(state_tensors(mw), state_tensors(ref_mw))
         assert_low_copies_exact(gm, mw)
     assert mw.last_step_route == "compiled" and mw._compiled.backend == "inductor"
+
+
+def test_torch_compile_around_the_step_steps_as_uncompiled():
+    """torch's compiled-optimizer recipe, ``torch.compile(lambda: mw.step())``: Dynamo runs the wrapper's step
+    eagerly (tracing the chunked route's in-place fused kernels over the masters failed to functionalize), so the
+    chunked route steps bit for bit as without the compile (same kernels), and with ``compiled_update`` on the
+    update's own graph still compiles and runs inside it."""
+    data = batches(3)
+    runs = {}
+    for around, compiled in ((False, False), (True, False), (True, "aot_eager")):
+        model = make_model()
+        gm = amp_fx.convert(model, "O2", dtype=torch.bfloat16)
+        mw = amp_fx.MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), gm,
+                                          compiled_update=compiled)
+        step = torch.compile(lambda: mw.step(), backend="aot_eager") if around else mw.step
+        routes = []
+        for x, y in data:
+            mw.zero_grad()
+            F.cross_entropy(gm(x), y).backward()
+            step()
+            routes.append(mw.last_step_route)
+        assert_low_copies_exact(gm, mw)
+        runs[around, compiled] = (gm, mw, routes)
+    (gm, mw, routes), (cgm, cmw, croutes) = runs[False, False], runs[True, False]
+    assert routes == croutes == ["chunked"] * 3
+    tensors = [*gm.parameters(), *mw.master_parameters(), *state_tensors(mw)]
+    compiled_tensors = [*cgm.parameters(), *cmw.master_parameters(), *state_tensors(cmw)]
+    assert len(tensors) == len(compiled_tensors) == 6 + 6 + 12
+    for a, b in zip(tensors, compiled_tensors):
+        assert torch.equal(a, b)
+    assert runs[True, "aot_eager"][2][1:] == ["compiled"] * 2  # (its numerics: the tests above)
+
+
+@pytest.mark.parametrize("value, match", [
+    ("aot_eagr", r"compiled_update='aot_eagr' is not a torch.compile backend.*Did you mean 'aot_eager'"),
+    ("True", r"compiled_update='True' is not a torch.compile backend.*compiled_update=True, not the string 'True'"),
+])
+def test_unknown_backend_is_refused_at_construction(value, match):
+    """A misspelt backend (or a bool passed as a string) is refused when the wrapper is built, naming the close
+    matches, not at the second step where the update first compiles."""
+    model = make_model()
+    gm = amp_fx.convert(model, "O2", dtype=torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(AmpValueError, match=match):
+        amp_fx.MasterWeightOptimizer(opt, gm, compiled_update=value)
