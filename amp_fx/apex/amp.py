@@ -35,7 +35,7 @@ from amp_fx.apex.properties import AmpProperties, build_scalers, reported_loss_s
 from amp_fx.errors import PACKAGE, AmpError, AmpIndexError, AmpRuntimeError, AmpTypeError, AmpValueError
 from amp_fx.converter.graph_module import AmpGraphModule
 from amp_fx.runtime import LossScaler
-from amp_fx.runtime.modules import is_compiled, unwrap_compiled
+from amp_fx.frontend.compiled_modules import compiled_like, is_compiled, unwrap_compiled
 
 __all__ = [
     "initialize", "scale_loss", "state_dict", "load_state_dict",
@@ -134,13 +134,6 @@ def _check_fresh_optimizer(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def _compiled_like(dynamo_ctx: Any, module: nn.Module) -> nn.Module:
-    """``module`` compiled with the settings (backend, mode, ...) the user's model was compiled with."""
-    if callable(dynamo_ctx):
-        return dynamo_ctx(module)
-    return torch.compile(module)
-
-
 def _record_of(optimizer: Any) -> OptimizerRecord:
     record = optimizer.__dict__.get(_STASH) if hasattr(optimizer, "__dict__") else None
     if record is None:
@@ -193,7 +186,7 @@ def initialize(
     global _current
     model_list, model_box = _listify(models, nn.Module, "models")
     # torch.compile(model): convert the module inside, and compile the result the same way.
-    recompile = [getattr(m, "dynamo_ctx", None) if is_compiled(m) else None for m in model_list]
+    recompile = [m if is_compiled(m) else None for m in model_list]
     given_models = list(model_list)
     model_list = [unwrap_compiled(m) for m in model_list]
     opt_list, opt_box = ([], None) if optimizers is None else _listify(
@@ -234,7 +227,7 @@ def initialize(
         record.session = session
         setattr(result, _STASH, record)
         fitted.append(result)
-    returned = [gm if ctx is None else _compiled_like(ctx, gm) for gm, ctx in zip(converted, recompile)]
+    returned = [gm if compiled is None else compiled_like(compiled, gm) for gm, compiled in zip(converted, recompile)]
     for obj in (*given_models, *model_list, *converted, *returned, *opt_list, *fitted):
         try:
             _SEEN.add(obj)

@@ -35,7 +35,7 @@ import accelerate
 from amp_fx.converter.api import convert
 from amp_fx.errors import AmpTypeError, AmpValueError
 from amp_fx.runtime import LossScaler, MasterWeightOptimizer
-from amp_fx.runtime.modules import is_compiled
+from amp_fx.frontend.compiled_modules import is_compiled
 
 __all__ = ["prepare", "AcceleratedLossScaler"]
 

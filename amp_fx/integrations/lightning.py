@@ -29,7 +29,8 @@ from lightning.pytorch.plugins.precision import Precision
 
 from amp_fx.converter.api import convert
 from amp_fx.converter.graph_module import AmpGraphModule
-from amp_fx.frontend.compiled_modules import unwrap_compiled
+from amp_fx.frontend.compiled_modules import is_compiled, unwrap_compiled
+from amp_fx.runtime.compiled_update import check_compiled_update
 from amp_fx.errors import PACKAGE, AmpError, AmpTypeError, AmpValueError, did_you_mean
 from amp_fx.ir.config import LEVELS
 from amp_fx.runtime import LossScaler, MasterWeightOptimizer
@@ -98,12 +99,15 @@ class AmpFxPrecision(Precision):
             batch}}``). Default: every direct child that holds parameters.
         scaler: a :class:`amp_fx.LossScaler` to use; default ``LossScaler(dtype=dtype, level=level)``
             (dynamic scaling for fp16, none for bf16; non-finite steps are skipped either way).
+        compiled_update: O2: :class:`amp_fx.MasterWeightOptimizer`'s option (the update, unscale and low copy in
+            one compiled pass; docs/training.md). Default None: on where a converted child is ``torch.compile``d.
         **convert_options: passed to every :func:`amp_fx.convert` call (``policy=``, ``example_inputs=``, ...).
     """
 
     def __init__(self, level: str = "O1", dtype: Union[str, torch.dtype] = "bf16", *,
                  modules: Union[None, Iterable[str], Mapping[str, Mapping[str, Any]]] = None,
                  scaler: Optional[LossScaler] = None,
+                 compiled_update: Union[None, bool, str] = None,
                  **convert_options: Any) -> None:
         if level not in LEVELS:
             raise AmpValueError(f"AmpFxPrecision: level must be one of {list(LEVELS)}, got {level!r}")
@@ -111,6 +115,11 @@ class AmpFxPrecision(Precision):
             raise AmpValueError(f"AmpFxPrecision: dtype must be 'bf16' or 'fp16' (or the torch dtype), got {dtype!r}")
         if scaler is not None and not isinstance(scaler, LossScaler):
             raise AmpTypeError(f"AmpFxPrecision: scaler must be an amp_fx.LossScaler, got {type(scaler).__name__}")
+        check_compiled_update(compiled_update)
+        if compiled_update not in (None, False) and level != "O2":
+            raise AmpValueError(f"AmpFxPrecision: compiled_update={compiled_update!r} compiles O2's master-weight "
+                                f"update; level {level!r} steps no fp32 masters. Use level='O2', or leave it unset.")
+        self.compiled_update = compiled_update
         self.level = level
         self.dtype = _DTYPES[dtype]
         # What Lightning reports as trainer.precision: the mixed setting this plugin stands in for.
@@ -190,7 +199,10 @@ class AmpFxPrecision(Precision):
                     masters[key] = master
         if not masters:
             return optimizer  # this optimizer steps no converted weights: nothing to keep masters of
-        return MasterWeightOptimizer(optimizer, _ParamSet(held), masters=masters)
+        wrapped = MasterWeightOptimizer(optimizer, _ParamSet(held), masters=masters, compiled_update=self.compiled_update)
+        if self.compiled_update is None and any(is_compiled(child) for child in self.converted.values()):
+            wrapped._compile_update_by_default()  # a compiled child: compilation was chosen, as over a compiled module
+        return wrapped
 
     # ------------------------------------------------------------ backward and step
     def pre_backward(self, tensor: torch.Tensor, module: "pl.LightningModule") -> torch.Tensor:

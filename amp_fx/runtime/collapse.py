@@ -63,7 +63,7 @@ def collapse_error(min_scale: float, streak: int, loss_scale: float, on_collapse
 
 def _uncompiled(step: Any) -> Any:
     """Let ``reproduce()`` return a ``torch.compile``d module: the diagnosis reads the graph inside it."""
-    from .modules import unwrap_compiled
+    from amp_fx.frontend.compiled_modules import unwrap_compiled
 
     if isinstance(step, tuple) and step:
         return (unwrap_compiled(step[0]), *step[1:])

@@ -112,7 +112,7 @@ from .compiled_update import CompiledUpdate, check_compiled_update, why_not_comp
 from .master_copies import CopyGroup, group_pairs
 from .master_mapping import MasterMapping, check_fp32_accumulation, check_module
 from .overflow import check_and_unscale_, grads_of
-from .modules import is_compiled, unwrap_compiled
+from amp_fx.frontend.compiled_modules import is_compiled, unwrap_compiled
 from .step_impl import fused_sgd_guard, prefer_fast_step
 from amp_fx.errors import AmpKeyError, AmpRuntimeError, AmpValueError, AmpWarning, checks_keywords
 

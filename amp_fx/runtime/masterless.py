@@ -45,7 +45,7 @@ from amp_fx.ir.config import AmpConfig
 from amp_fx.runtime.wrapped_optimizer import WrappedOptimizer
 
 from .low_precision_update import COMPENSATION_DTYPE, merge_compensated, split_compensated, stochastic_round
-from .modules import unwrap_compiled
+from amp_fx.frontend.compiled_modules import unwrap_compiled
 from .training_memory import MemoryReport, measure_training_memory
 from amp_fx.errors import AmpKeyError, AmpNotImplementedError, AmpTypeError, AmpValueError, checks_keywords
 
