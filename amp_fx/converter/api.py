@@ -44,6 +44,12 @@ _KEPT_REFUSALS = frozenset({"legacy torch.nn.utils.weight_norm", "global module 
 
 
 def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module) and callable(getattr(model, "_torchdynamo_orig_callable", None)):
+        raise AmpTypeError(
+            f"{PACKAGE}.convert got a function torch.compile returned ({type(model).__name__}), not a module: "
+            "torch.compile of an already compiled module gives a function. Compile once, "
+            "amp_fx.convert(torch.compile(model)) or torch.compile(amp_fx.convert(model)), or pass the module "
+            "inside (compiled._orig_mod).")
     if not isinstance(model, nn.Module):
         raise AmpTypeError(
             f"{PACKAGE}.convert expects a torch.nn.Module, got {type(model).__name__}. "

@@ -109,3 +109,13 @@ def test_a_mode_switch_under_compile_converts_eagerly():
     out = compiled(x)
     assert len(graphs) == 2  # one per mode, nothing traced of the conversion between them
     assert torch.equal(out, twin(x))
+
+
+def test_a_module_compiled_twice_is_refused_naming_the_fix():
+    """torch.compile(torch.compile(m)) is a function in torch 2.13: the refusal says so, not "wrap a function"."""
+    twice = torch.compile(torch.compile(_mlp(), backend="aot_eager"), backend="aot_eager")
+    if isinstance(twice, nn.Module):  # a torch that returns a module again: it converts like a compiled one
+        assert isinstance(amp_fx.convert(twice, "O1")._orig_mod, amp_fx.AmpGraphModule)
+        return
+    with pytest.raises(amp_fx.AmpTypeError, match="Compile once"):
+        amp_fx.convert(twice, "O1")
