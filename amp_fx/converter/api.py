@@ -48,7 +48,7 @@ def _check_model(model: Any) -> None:
         raise AmpTypeError(
             f"{PACKAGE}.convert got a function torch.compile returned ({type(model).__name__}), not a module: "
             "torch.compile of an already compiled module gives a function. Compile once, "
-            "amp_fx.convert(torch.compile(model)) or torch.compile(amp_fx.convert(model)), or pass the module "
+            f"{PACKAGE}.convert(torch.compile(model)) or torch.compile({PACKAGE}.convert(model)), or pass the module "
             "inside (compiled._orig_mod).")
     if not isinstance(model, nn.Module):
         raise AmpTypeError(
