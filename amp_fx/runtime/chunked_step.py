@@ -31,8 +31,8 @@ from torch.optim import optimizer as torch_optimizer
 from amp_fx.converter.step_guard import _refuse_plain_step
 from amp_fx.graph_ops.cast_cache import _after_step
 
-__all__ = ["CHUNK_BYTES", "why_not_chunked", "chunked_step", "has_user_step_hooks", "pre_hooks", "post_hooks",
-           "instance_step_ok"]
+__all__ = ["CHUNK_BYTES", "why_not_plain_class", "why_not_chunked", "chunked_step", "has_user_step_hooks", "pre_hooks",
+           "post_hooks", "instance_step_ok"]
 
 # Masters per chunk, in bytes: small tensors (biases, norms) share a chunk, a large one is cut into slices of
 # this size. A chunk's working set (SGD: low gradient, fp32 scratch gradient, master, momentum, low copy: 5 MiB)
@@ -74,8 +74,11 @@ def instance_step_ok(optimizer: torch.optim.Optimizer) -> bool:
         getattr(patched, "__wrapped__", None) is type(optimizer).step
 
 
-def why_not_chunked(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why the chunked step does not apply to ``optimizer`` (None: it does), before looking at gradients."""
+def why_not_plain_class(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer.step`` may do more than its class's SGD/Adam/AdamW math (None: it does only that).
+
+    What a route that runs that math itself (chunked, compiled) must rule out: another class, a step hook, a
+    replaced ``step``, GradScaler's attributes."""
     if type(optimizer) not in _CLASSES:
         return f"{type(optimizer).__name__} is not exactly SGD, Adam or AdamW"
     if has_user_step_hooks(optimizer):
@@ -84,6 +87,14 @@ def why_not_chunked(optimizer: torch.optim.Optimizer) -> str | None:
         return "optimizer.step was replaced on the instance"
     if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
         return "the optimizer carries GradScaler's grad_scale/found_inf"
+    return None
+
+
+def why_not_chunked(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the chunked step does not apply to ``optimizer`` (None: it does), before looking at gradients."""
+    reason = why_not_plain_class(optimizer)
+    if reason is not None:
+        return reason
     for group in optimizer.param_groups:
         if not group.get("fused") or group.get("capturable") or group.get("differentiable"):
             return "a param group is not fused=True (or is capturable/differentiable)"

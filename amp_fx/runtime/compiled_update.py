@@ -37,14 +37,12 @@ import torch
 
 from amp_fx.errors import AmpRuntimeError, AmpValueError, AmpWarning, did_you_mean
 
-from .chunked_step import has_user_step_hooks, instance_step_ok, post_hooks, pre_hooks
+from .chunked_step import post_hooks, pre_hooks, why_not_plain_class
 
 __all__ = ["MAX_VARIANTS", "CompiledUpdate", "CompiledUpdateWarning", "check_compiled_update", "why_not_compiled"]
 
 # Graphs one optimizer may compile (each is a dynamo cache entry; dynamo's own limit is 8 per function).
 MAX_VARIANTS = 6
-
-_CLASSES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
 class CompiledUpdateWarning(AmpWarning):
@@ -82,14 +80,9 @@ def why_not_compiled(optimizer: torch.optim.Optimizer, masters: list[torch.Tenso
     """Why the compiled update cannot step ``optimizer`` (None: it can), before looking at gradients or state.
 
     ``masters``: the tensors it will step, where they are not yet in its groups (a wrapper being built)."""
-    if type(optimizer) not in _CLASSES:
-        return f"{type(optimizer).__name__} is not exactly SGD, Adam or AdamW"
-    if has_user_step_hooks(optimizer):
-        return "an optimizer step hook is registered"
-    if not instance_step_ok(optimizer):
-        return "optimizer.step was replaced on the instance"
-    if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
-        return "the optimizer carries GradScaler's grad_scale/found_inf"
+    reason = why_not_plain_class(optimizer)
+    if reason is not None:
+        return reason
     if any(group.get("capturable") or group.get("differentiable") for group in optimizer.param_groups):
         return "a param group is capturable or differentiable"
     for p in masters if masters is not None else (p for group in optimizer.param_groups for p in group["params"]):

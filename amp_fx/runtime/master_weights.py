@@ -591,33 +591,21 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         "" where the compiled update is off (``compiled_update=False``, or None over a module not compiled)."""
         if self._compiled is None:
             return ""
-        if self._fp32_accum:
-            return "fp32_grad_accumulation"
-        if has_user_step_hooks(self):
-            return "a step hook is registered on the MasterWeightOptimizer"
-        groups = self._copy_groups()
-        if any(group.sharded for group in groups):
-            return "sharded masters"
-        reason = why_not_compiled(self.optimizer)
-        if reason is not None:
-            return reason
-        sources: dict[int, torch.Tensor] = {}
-        if self._grads_deferred:
-            for group in groups:
-                group.grad_sources(sources)
         inv = self._deferred_inv if self._grads_deferred else 1.0
-        written = self._compiled.step(self.optimizer, sources, self._low_of, inv)
-        if isinstance(written, str):
-            return written  # (nothing changed: the chunked or plain route steps)
-        with torch.no_grad():  # masters without a gradient: their low copy is rewritten too, as by the plain step
-            rest = [(p, m) for g in groups for p, m in zip(g.params, g.masters) if id(m) not in written]
-            if rest:
-                torch._foreach_copy_([p for p, _ in rest], [m for _, m in rest])
-        record(self._sync_entries)
-        return None
+        return self._step_fast(why_not_compiled,
+                               lambda sources: self._compiled.step(self.optimizer, sources, self._low_of, inv))
 
     def _step_chunked(self) -> str | None:
         """Step and copy back chunk by chunk (:mod:`~amp_fx.runtime.chunked_step`); why not (nothing done) or None."""
+        return self._step_fast(why_not_chunked,
+                               lambda sources: chunked_step(self.optimizer, sources, self._low_of, self._scratch))
+
+    def _step_fast(self, why_not: Callable[[torch.optim.Optimizer], str | None],
+                   step: Callable[[dict[int, torch.Tensor]], set[int] | str]) -> str | None:
+        """A route that steps the masters and writes their low copies itself (chunked or compiled): why not, or None.
+
+        ``step`` gets the deferred low gradients by master id and returns the ids of the masters whose low copy it
+        wrote, or why it did not step (nothing changed: the next route steps)."""
         if self._fp32_accum:
             return "fp32_grad_accumulation"
         if has_user_step_hooks(self):
@@ -625,16 +613,16 @@ class MasterWeightOptimizer(MasterMapping, WrappedOptimizer):
         groups = self._copy_groups()
         if any(group.sharded for group in groups):
             return "sharded masters"
-        reason = why_not_chunked(self.optimizer)
+        reason = why_not(self.optimizer)
         if reason is not None:
             return reason
         sources: dict[int, torch.Tensor] = {}
         if self._grads_deferred:
             for group in groups:
                 group.grad_sources(sources)
-        written = chunked_step(self.optimizer, sources, self._low_of, self._scratch)
+        written = step(sources)
         if isinstance(written, str):
-            return written  # (step() then copies the deferred gradients and steps the plain way)
+            return written
         with torch.no_grad():  # masters without a gradient: their low copy is rewritten too, as by the plain step
             rest = [(p, m) for g in groups for p, m in zip(g.params, g.masters) if id(m) not in written]
             if rest:
