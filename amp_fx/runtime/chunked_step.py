@@ -31,8 +31,8 @@ from torch.optim import optimizer as torch_optimizer
 from amp_fx.converter.step_guard import _refuse_plain_step
 from amp_fx.graph_ops.cast_cache import _after_step
 
-__all__ = ["CHUNK_BYTES", "why_not_plain_class", "why_not_chunked", "chunked_step", "has_user_step_hooks", "pre_hooks",
-           "post_hooks", "instance_step_ok"]
+__all__ = ["CHUNK_BYTES", "why_not_plain_class", "why_not_chunked", "chunked_step", "begin_step", "has_user_step_hooks",
+           "pre_hooks", "post_hooks", "instance_step_ok"]
 
 # Masters per chunk, in bytes: small tensors (biases, norms) share a chunk, a large one is cut into slices of
 # this size. A chunk's working set (SGD: low gradient, fp32 scratch gradient, master, momentum, low copy: 5 MiB)
@@ -167,6 +167,15 @@ def _chunks(pieces: list[_Piece]) -> Iterator[list[_Piece]]:
         yield chunk
 
 
+def begin_step(optimizer: torch.optim.Optimizer) -> None:
+    """What ``Optimizer.step``'s wrapper does before the math, for a route that runs the math itself: the step
+    pre-hooks (amp_fx's own: :data:`_KNOWN_HOOKS`), and an LR scheduler's wrapper's record of the call."""
+    for hook in pre_hooks(optimizer):
+        hook(optimizer, (), {})
+    if "step" in optimizer.__dict__:  # an LR scheduler's wrapper: it would have recorded the call
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
 def chunked_step(optimizer: torch.optim.Optimizer, grad_sources: dict[int, torch.Tensor],
                  lows: dict[int, torch.Tensor], scratch: list[torch.Tensor]) -> set[int] | str:
     """Step ``optimizer`` chunk by chunk; the ids of the masters whose low copy was written, or why it did not step.
@@ -180,10 +189,7 @@ def chunked_step(optimizer: torch.optim.Optimizer, grad_sources: dict[int, torch
     reason = _why_not_with_grads(optimizer, grad_sources)
     if reason is not None:
         return reason
-    for hook in pre_hooks(optimizer):
-        hook(optimizer, (), {})
-    if "step" in optimizer.__dict__:  # an LR scheduler's wrapper: it would have recorded the call
-        optimizer._opt_called = True  # type: ignore[attr-defined]
+    begin_step(optimizer)
     written: set[int] = set()
     with torch.no_grad():
         for group in optimizer.param_groups:

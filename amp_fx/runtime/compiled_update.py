@@ -37,7 +37,7 @@ import torch
 
 from amp_fx.errors import AmpRuntimeError, AmpValueError, AmpWarning, did_you_mean
 
-from .chunked_step import post_hooks, pre_hooks, why_not_plain_class
+from .chunked_step import begin_step, post_hooks, why_not_plain_class
 
 __all__ = ["MAX_VARIANTS", "CompiledUpdate", "CompiledUpdateWarning", "check_compiled_update", "why_not_compiled"]
 
@@ -198,10 +198,7 @@ class CompiledUpdate:
         keys = {plan[0] for plan in plans} - self._variants
         if len(self._variants) + len(keys) > MAX_VARIANTS:
             return f"more than {MAX_VARIANTS} parameter sets to compile (gradients present on some steps only)"
-        for hook in pre_hooks(optimizer):
-            hook(optimizer, (), {})
-        if "step" in optimizer.__dict__:  # an LR scheduler's wrapper: it would have recorded the call
-            optimizer._opt_called = True  # type: ignore[attr-defined]
+        begin_step(optimizer)
         written: set[int] = set()
         with torch.no_grad():
             for key, kind, args, flags, after in plans:
